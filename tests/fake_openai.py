@@ -1,0 +1,62 @@
+"""A scripted OpenAI-compatible chat server on 127.0.0.1, the only mock in the tests: it stands at
+the network edge, where a real vLLM or commercial endpoint would be."""
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class FakeOpenAIServer:
+    """Answers /v1/chat/completions from a script; each entry is a message text, or
+    {"status": 500} for an error response. Every request body is kept in `requests`."""
+
+    def __init__(self, script=(), models=("sim-model",), default=None):
+        self.script = list(script)
+        self.models = list(models)
+        self.default = default  # answer once the script is used up (None: fail the test loudly)
+        self.requests = []
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path.rstrip("/").endswith("/models"):
+                    self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in server.models]})
+                else:
+                    self._send(404, {"error": {"message": "not found"}})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server._lock:
+                    server.requests.append(body)
+                    entry = server.script.pop(0) if server.script else server.default
+                if entry is None:
+                    self._send(500, {"error": {"message": "fake server: script exhausted"}})
+                elif isinstance(entry, dict):
+                    self._send(entry["status"], {"error": {"message": f"scripted {entry['status']}"}})
+                else:
+                    self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                                     "choices": [{"index": 0, "finish_reason": "stop",
+                                                  "message": {"role": "assistant", "content": entry}}]})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
