@@ -27,8 +27,9 @@ Backends (`--backend`):
        validates, invites me to go on; "wants advice": concrete options, first steps), counted
        once each however often they repeat, and a gain also needs *grounding*: at least
        GROUNDING_WORDS content words that the user actually said. vanilla: 2+ families and
-       grounded +10, 1 family and 1 shared word +5, else 0. challenging: 3+ families and grounded
-       +10, 2+ and grounded +5, 1 and 1 shared word 0, else -5.
+       grounded +10; 1 family and 1 shared word, or grounded alone (partial credit for engaging
+       with my story) +5; else 0. challenging: 3+ families and grounded +10, 2+ and grounded +5,
+       1 and 1 shared word 0, else -5.
     3. Frictions add to the gain: lecturing (-5, or for one lecturing phrase when the person wants
        to vent, be empathised with, praised or cleared), blaming someone who wants to hear they
        were not at fault (-10), solutions pushed on someone who wants to be heard (-5).
@@ -48,9 +49,8 @@ Run a dialogue in the terminal (type replies; an empty line ends):
     python simulator.py --profile en-train-01 --backend rule
     python simulator.py --profile en-train-01 --backend rule --replies my_replies.txt
     python simulator.py --profile en-bench-01 --profiles profiles/benchmark.jsonl --benchmark \\
-        --backend llm --base-url http://localhost:8000/v1 --simulator-model Qwen/Qwen2.5-32B-Instruct
+        --backend llm --base_url http://localhost:8000/v1 --simulator_model Qwen/Qwen2.5-32B-Instruct
 """
-import argparse
 import asyncio
 import importlib.util
 import json
@@ -295,11 +295,12 @@ class Simulator:
     def state(self) -> str:
         return emotion_state(self.emotion)
 
-    async def open(self) -> str:
-        """The user's first message: the profile's fixed `first_talk` if it has one."""
+    async def open(self, opening: str | None = None) -> str:
+        """The user's first message: `opening` if given (one line shared by a group of dialogues),
+        else the profile's fixed `first_talk`, else one the backend writes."""
         if self.history:
             raise SimulatorError("open() was already called for this dialogue")
-        message = self.profile.first_talk or await self._opening()
+        message = opening or self.profile.first_talk or await self._opening()
         self.history.append({"role": "user", "content": message, "emotion-point": self.emotion})
         return message
 
@@ -486,8 +487,12 @@ def resolve_model(name_or_path: str) -> str:
     folder, gguf = Path(spec.origin).parent, "SmolLM2-135M-Instruct.Q4_1.gguf"
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)
-    # GGUF-loaded models refuse save_pretrained: rebuild a plain model from the config, copy weights.
-    model = AutoModelForCausalLM.from_config(gguf_model.config)
+    # GGUF-loaded models refuse save_pretrained: rebuild a plain float32 model from the config (without
+    # its GGUF quantization note, which would block training), then copy the dequantized weights.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
     partial = target.with_name(target.name + ".partial")
@@ -774,7 +779,7 @@ class RuleSimulator(Simulator):
         shared = content_keys(reply_text) & content_keys(self._user_text())
         grounded = len(shared) >= GROUNDING_WORDS
         if self.variant == "vanilla":
-            gain = 10 if len(families) >= 2 and grounded else 5 if families and shared else 0
+            gain = 10 if len(families) >= 2 and grounded else 5 if (families and shared) or grounded else 0
         else:
             gain = (10 if len(families) >= 3 and grounded else 5 if len(families) >= 2 and grounded
                     else 0 if families and shared else -5)
@@ -865,41 +870,46 @@ class RuleSimulator(Simulator):
 BACKENDS = ("rule", "llm", "local")
 
 
-def make_chat(backend: str, model: str | None = None, base_url: str | None = None,
-              api_key_env: str = "OPENAI_API_KEY"):
+@dataclass
+class SimulatorArguments:
+    """The simulator's options, shared by every script that talks to one (CLI flags and YAML keys)."""
+
+    backend: str = field(default="rule", metadata={
+        "help": "rule: offline, deterministic (default); llm: OpenAI-compatible endpoint; local: transformers model",
+        "choices": list(BACKENDS)})
+    variant: str = field(default="vanilla", metadata={
+        "help": "vanilla: expressive, forgiving (trains better, paper); challenging: restrained, strict",
+        "choices": list(VARIANTS)})
+    simulator_model: str | None = field(default=None, metadata={
+        "help": f"served model name for llm; path, hub id or {PACKAGED_MODEL!r} for local"})
+    base_url: str | None = field(default=None, metadata={
+        "help": "OpenAI-compatible endpoint for --backend llm, e.g. http://localhost:8000/v1 (default: $OPENAI_BASE_URL)"})
+    api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "environment variable holding the API key"})
+    change_bound: int = field(default=CHANGE_BOUND, metadata={"help": "largest |emotion change| per turn"})
+    language: str | None = field(default=None, metadata={
+        "help": "simulator prompt language (en, zh); default: the profile's", "choices": [None, *LANGUAGES]})
+
+
+def make_chat(args: SimulatorArguments):
     """The chat transport an LLM-backed simulator talks through (None for the rule backend).
     Make one and share it across dialogues."""
-    if backend == "rule":
+    if args.backend == "rule":
         return None
-    if not model:
-        raise SimulatorError(f"--backend {backend} needs --simulator-model (a served model name, or a local path)")
-    if backend == "llm":
+    if not args.simulator_model:
+        raise SimulatorError(f"--backend {args.backend} needs --simulator_model (a served model name, or a local path)")
+    if args.backend == "llm":
+        base_url = args.base_url or os.environ.get("OPENAI_BASE_URL")
         if not base_url:
-            raise SimulatorError("--backend llm needs --base-url, e.g. http://localhost:8000/v1 for `vllm serve`")
-        return ChatClient(base_url, model, api_key_env)
-    if backend == "local":
-        return LocalChat(model)
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+            raise SimulatorError("--backend llm needs --base_url, e.g. http://localhost:8000/v1 for `vllm serve`")
+        return ChatClient(base_url, args.simulator_model, args.api_key_env)
+    if args.backend == "local":
+        return LocalChat(args.simulator_model)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {args.backend!r}")
 
 
 def make_simulator(profile, chat=None, **options) -> Simulator:
     """A fresh simulator for one dialogue: the rule backend when `chat` is None, else the LLM one."""
     return RuleSimulator(profile, **options) if chat is None else LLMSimulator(profile, chat, **options)
-
-
-def add_simulator_arguments(parser: argparse.ArgumentParser) -> None:
-    """The simulator's command-line options, shared by every script that talks to one."""
-    parser.add_argument("--backend", choices=BACKENDS, default="rule",
-                        help="rule: offline, deterministic (default); llm: OpenAI-compatible endpoint; local: transformers")
-    parser.add_argument("--variant", choices=VARIANTS, default="vanilla",
-                        help="vanilla: expressive, forgiving feedback (trains better, paper); challenging: restrained, strict")
-    parser.add_argument("--simulator-model", default=None,
-                        help=f"simulator model: served name for llm, path/hub id or {PACKAGED_MODEL!r} for local")
-    parser.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL"), help="endpoint for --backend llm")
-    parser.add_argument("--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key")
-    parser.add_argument("--change-bound", type=int, default=CHANGE_BOUND, help="largest |change| per turn")
-    parser.add_argument("--language", choices=LANGUAGES, default=None,
-                        help="prompt language; by default the profile's (Chinese for the official files)")
 
 
 def find_profile(profiles, profile_id: str):
@@ -933,32 +943,38 @@ def _typed_replies():
         yield reply
 
 
+@dataclass
+class PlayArguments:
+    profile: str = field(metadata={"help": "profile id, e.g. en-train-01"})
+    profiles: str = field(default=str(DEFAULT_PROFILES), metadata={"help": "profile file (JSON Lines)"})
+    replies: str | None = field(default=None, metadata={"help": "file with one policy reply per line (else type them)"})
+    benchmark: bool = field(default=False, metadata={
+        "help": f"benchmark settings: start at {BENCHMARK_START_EMOTION}, {BENCHMARK_MAX_TURNS} turns"})
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Talk to a simulated user, turn by turn.")
-    parser.add_argument("--profile", required=True, help="profile id")
-    parser.add_argument("--profiles", default=str(DEFAULT_PROFILES), help="profile file (JSON Lines)")
-    parser.add_argument("--replies", default=None, help="file with one policy reply per line (else type them)")
-    parser.add_argument("--benchmark", action="store_true",
-                        help=f"benchmark settings: start at {BENCHMARK_START_EMOTION}, {BENCHMARK_MAX_TURNS} turns")
-    add_simulator_arguments(parser)
-    args = parser.parse_args(argv)
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser((PlayArguments, SimulatorArguments), description="Talk to a simulated user, turn by turn.")
+    play_args, simulator_args = parser.parse_args_into_dataclasses(argv)
     try:
-        asyncio.run(_talk(args))
+        asyncio.run(_talk(play_args, simulator_args))
     except (ProfileError, SimulatorError) as error:
         sys.exit(f"error: {error}")
 
 
-async def _talk(args) -> None:
-    profile = find_profile(load_profiles(args.profiles), args.profile)
-    chat = make_chat(args.backend, args.simulator_model, args.base_url, args.api_key_env)
+async def _talk(play_args: PlayArguments, simulator_args: SimulatorArguments) -> None:
+    profile = find_profile(load_profiles(play_args.profiles), play_args.profile)
+    chat = make_chat(simulator_args)
     if chat is not None:
         await chat.check()
     simulator = make_simulator(
-        profile, chat, variant=args.variant, change_bound=args.change_bound, language=args.language,
-        start_emotion=BENCHMARK_START_EMOTION if args.benchmark else TRAIN_START_EMOTION,
-        max_turns=BENCHMARK_MAX_TURNS if args.benchmark else TRAIN_MAX_TURNS)
-    if args.replies:
-        replies = [line.rstrip("\n") for line in open(args.replies, encoding="utf-8") if line.strip()]
+        profile, chat, variant=simulator_args.variant, change_bound=simulator_args.change_bound,
+        language=simulator_args.language,
+        start_emotion=BENCHMARK_START_EMOTION if play_args.benchmark else TRAIN_START_EMOTION,
+        max_turns=BENCHMARK_MAX_TURNS if play_args.benchmark else TRAIN_MAX_TURNS)
+    if play_args.replies:
+        replies = [line.rstrip("\n") for line in open(play_args.replies, encoding="utf-8") if line.strip()]
     else:
         replies = _typed_replies()
     await play(simulator, replies)

@@ -20,6 +20,7 @@ def test_packaged_model_converts_to_the_same_weights(packaged_model):
     with torch.no_grad():
         assert torch.allclose(gguf(ids).logits, converted(ids).logits, atol=1e-4)
     assert tokenizer.chat_template
+    assert getattr(converted.config, "quantization_config", None) is None  # trainable, not marked GGUF
 
 
 def test_local_chat_answers_through_the_chat_template(tiny_model_dir):
@@ -51,9 +52,10 @@ def test_a_model_without_chat_template_is_refused(tiny_model_dir, tmp_path):
         LocalChat(str(tmp_path))
 
 
-def test_make_chat_explains_missing_options():
-    with pytest.raises(SimulatorError, match="--simulator-model"):
-        simulator.make_chat("llm", None, "http://127.0.0.1:9/v1")
-    with pytest.raises(SimulatorError, match="--base-url"):
-        simulator.make_chat("llm", "m", None)
-    assert simulator.make_chat("rule") is None
+def test_make_chat_explains_missing_options(monkeypatch):
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    with pytest.raises(SimulatorError, match="--simulator_model"):
+        simulator.make_chat(simulator.SimulatorArguments(backend="llm", base_url="http://127.0.0.1:9/v1"))
+    with pytest.raises(SimulatorError, match="--base_url"):
+        simulator.make_chat(simulator.SimulatorArguments(backend="llm", simulator_model="m"))
+    assert simulator.make_chat(simulator.SimulatorArguments()) is None

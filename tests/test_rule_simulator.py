@@ -56,12 +56,14 @@ def test_each_intention_rewards_its_own_kind_of_reply(make_profile):
     advice = ("One option: write Dana a short message this week about the Lisbon wedding. "
               "You could also ask your mother to give you time before the holidays.")
     assert first_turn(make_profile("practical_advice"), advice).change == 10
-    assert first_turn(make_profile("venting"), advice).change < 0  # fixing, when they wanted an ear
+    assert first_turn(make_profile("venting"), advice).change <= 0  # fixing, when they wanted an ear
+    assert "pushed solutions" in first_turn(make_profile("venting"), advice).reasoning
 
 
 def test_blame_hurts_someone_who_wants_to_hear_they_were_not_at_fault(make_profile):
     blame = "Dana missed the Lisbon wedding, but it was partly your fault for planning it abroad."
-    assert first_turn(make_profile("not_at_fault"), blame).change == -10
+    blamed = first_turn(make_profile("not_at_fault"), blame)
+    assert blamed.change < 0 and "blamed me" in blamed.reasoning
     cleared = "It wasn't your fault that Dana missed the Lisbon wedding. Anyone would have been hurt."
     assert first_turn(make_profile("not_at_fault"), cleared).change > 0
 

@@ -1,0 +1,469 @@
+"""Multi-turn dialogues between the policy and simulated users, at token level.
+
+All dialogues of a batch advance in lockstep: each turn, one batched generate call for every
+active dialogue, then all their simulators answer concurrently (at most `simulator_concurrency`
+at once). Each dialogue owns its simulator (`Dialogue.simulator`); nothing is ever looked up by
+position in a list of active dialogues, so a dialogue that ends early cannot mix up the others.
+
+Token layout of one dialogue, as TRL's `rollout_func` expects it:
+
+    prompt_ids      = chat template of [policy system prompt, user opening] + assistant header
+    completion_ids  = reply 1 | close + user 2 + header | reply 2 | ... | reply n
+    env_mask        =   1...1 |        0...0            |  1...1  | ... |  1...1
+
+`env_mask` is 1 exactly on the tokens the policy sampled and 0 on everything inserted: the user's
+messages, the template tokens around them, and the end-of-turn tokens that close a reply cut off by
+its token budget. The sequence trained on is exactly the sequence the policy saw while sampling:
+sampled ids are kept as sampled, never re-tokenized.
+
+Think-then-say (`think=True`): the system prompt asks for `<think>...</think>` then the reply, and
+each policy turn is sampled in two phases. The turn starts with an inserted `<think>` (as the
+generation prompts of reasoning models do); the policy thinks until it writes `</think>` or spends
+`max_think_tokens`, in which case `</think>` is inserted for it (budget forcing); then it writes
+its reply. Only the text after the last `</think>` reaches the simulator. A turn whose thinking
+the policy did not close itself, or whose reply is empty or holds more think tags, is a format
+violation (counted; `format_penalty` is taken off the reward of a dialogue that has any).
+Difference from the paper: the policy keeps its own earlier thoughts in its context, so one
+dialogue is one training row whose tokens are exactly the sampled ones; the paper removed earlier
+thoughts and trained each policy turn as its own row.
+
+Budgets are in tokens: per policy turn `max_think_tokens` and `max_reply_tokens`, and at most
+`max_dialogue_tokens` for prompt plus completion; a dialogue that cannot fit another user message
+and a minimal turn ends with reason "token_budget".
+
+Generation backends: `TransformersGenerator` (model.generate, CPU or GPU) and, inside TRL training
+with `use_vllm`, `VLLMGenerator` over `trainer.vllm_generation` (untested here: no vLLM on CPU).
+"""
+import asyncio
+import copy
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import simulator
+
+PROMPTS_DIR = simulator.PROMPTS_DIR
+MIN_REPLY_TOKENS = 8  # a dialogue that cannot leave this many tokens for the next reply ends
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+END_REASONS = ("farewell", "gave_up", "goodbye", "turn_limit", "token_budget")
+
+
+@dataclass
+class RolloutConfig:
+    think: bool = False  # think-then-say: <think>...</think> before each reply
+    max_turns: int = simulator.TRAIN_MAX_TURNS  # policy turns per dialogue (paper: 8)
+    max_think_tokens: int = 1024  # thinking tokens per policy turn, think mode (paper: up to ~5k per turn in all)
+    max_reply_tokens: int = 512  # reply tokens per policy turn
+    max_dialogue_tokens: int = 8192  # prompt + completion tokens per dialogue
+    format_penalty: float = 0.0  # taken off the reward of a dialogue with a think-format violation
+    simulator_concurrency: int = 32  # simulator calls in flight at once
+    start_emotion: int = simulator.TRAIN_START_EMOTION
+    variant: str = "vanilla"
+    change_bound: int = simulator.CHANGE_BOUND
+    language: str | None = None  # simulator prompt language; default: the profile's
+
+
+# --------------------------------------------------------------------------------------------
+# The policy's side: system prompt, think parsing, chat-template pieces
+# --------------------------------------------------------------------------------------------
+
+def policy_system_prompt(language: str, think: bool) -> str:
+    path = PROMPTS_DIR / language / ("policy_think.txt" if think else "policy.txt")
+    return path.read_text(encoding="utf-8").strip()
+
+
+def split_think(text: str, think: bool) -> tuple[str, str, bool]:
+    """(think_text, reply_text, format_ok) for one raw policy turn. Only reply_text may reach the
+    simulator: with an unclosed <think> the whole turn is thought and the reply is empty."""
+    if not think:
+        return "", text.strip(), True
+    closed = text.rfind(THINK_CLOSE)
+    if closed < 0:
+        if THINK_OPEN in text:
+            return text.split(THINK_OPEN, 1)[1].strip(), "", False
+        return "", text.strip(), False
+    thought, reply = text[:closed], text[closed + len(THINK_CLOSE):].strip()
+    well_formed = (thought.lstrip().startswith(THINK_OPEN) and thought.count(THINK_OPEN) == 1
+                   and text.count(THINK_CLOSE) == 1 and bool(reply))
+    return thought.replace(THINK_OPEN, "", 1).strip(), reply, well_formed
+
+
+class ChatSegments:
+    """Token ids the chat template puts around turns, found once by rendering a sample dialogue.
+
+    Only the inserted pieces are tokenized (the user's messages with their template tokens); the
+    policy's sampled ids are never decoded and re-encoded into the sequence."""
+
+    def __init__(self, tokenizer):
+        if not tokenizer.chat_template:
+            raise ValueError("the policy tokenizer has no chat template; use an instruct/chat model")
+        self.tokenizer = tokenizer
+        marker_reply, marker_user = "QQREPLYQQ", "QQUSERQQ"
+        history = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+                   {"role": "assistant", "content": marker_reply}]
+        closed = tokenizer.apply_chat_template(history, tokenize=False)
+        extended = tokenizer.apply_chat_template(history + [{"role": "user", "content": marker_user}],
+                                                 tokenize=False, add_generation_prompt=True)
+        if not extended.startswith(closed):
+            raise ValueError("the chat template renders earlier turns differently once a turn is added; "
+                             "multi-turn token-level rollouts need a prefix-stable template")
+        self.close_text = closed[closed.rindex(marker_reply) + len(marker_reply):]  # e.g. "<|im_end|>\n"
+        self.user_prefix, self.user_suffix = extended[len(closed):].split(marker_user)
+        self.eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(tokenizer, "eos_token_ids", None)))
+        self.eos_ids.discard(None)
+        self.think_open, self.think_close = self.encode(THINK_OPEN), self.encode(THINK_CLOSE)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, system_prompt: str, opening: str) -> list[int]:
+        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": opening}]
+        return self.encode(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+    def closing_ids(self, sampled: list[int]) -> list[int]:
+        """Template tokens that end a policy turn, minus the end-of-turn token if the policy sampled it."""
+        text = self.close_text
+        if sampled and sampled[-1] in self.eos_ids:
+            eos_text = self.tokenizer.decode([sampled[-1]])
+            text = text[len(eos_text):] if text.startswith(eos_text) else text
+        return self.encode(text) if text else []
+
+    def user_turn_ids(self, message: str) -> list[int]:
+        return self.encode(self.user_prefix + message + self.user_suffix)
+
+
+def _as_list(value):
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple, set)) else [value]
+
+
+# --------------------------------------------------------------------------------------------
+# Generation backends: contexts of token ids in, sampled ids (and their logprobs) out
+# --------------------------------------------------------------------------------------------
+
+class TransformersGenerator:
+    """Batched sampling with `model.generate` over left-padded contexts."""
+
+    def __init__(self, model, tokenizer, generation_config):
+        self.model, self.tokenizer, self.generation_config = model, tokenizer, generation_config
+        self.eos_ids = {tokenizer.eos_token_id} | set(_as_list(generation_config.eos_token_id))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    @torch.no_grad()
+    def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
+        if not contexts:
+            return [], None
+        width = max(len(c) for c in contexts)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(c)) + c for c in contexts])
+        attention_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
+        device = next(self.model.parameters()).device
+        config = copy.deepcopy(self.generation_config)
+        config.max_new_tokens = max(max_new_tokens)
+        config.stop_strings = [stop] if stop else None
+        output = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                     generation_config=config, tokenizer=self.tokenizer)
+        sampled = []
+        for row, limit in zip(output[:, width:].tolist(), max_new_tokens):
+            row = row[:limit]
+            ends = [i for i, token in enumerate(row) if token in self.eos_ids]
+            sampled.append(row[:ends[0] + 1] if ends else row)  # up to and including the first end token
+        return sampled, None
+
+
+class VLLMGenerator:
+    """Sampling through TRL's vLLM backend (`use_vllm=True`, colocate or server mode); TRL syncs the
+    weights before the rollout is called. Not testable here (no vLLM on CPU).
+
+    Every rank must make the same number of calls (server mode gathers prompts across ranks), so
+    the rollout calls this once per turn up to max_turns, with an empty batch when a rank is done."""
+
+    def __init__(self, trainer):
+        self.generation = trainer.vllm_generation
+
+    def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
+        # Both are read from these attributes at call time; the rollout cuts at `stop` afterwards anyway.
+        self.generation.max_completion_length = max(max_new_tokens, default=1)
+        base_kwargs = self.generation.generation_kwargs or {}
+        if stop:
+            self.generation.generation_kwargs = {**base_kwargs, "stop": [stop], "include_stop_str_in_output": True}
+        try:
+            _, completion_ids, logprobs, _ = self.generation.generate(prompts=contexts, images=None, num_generations=1)
+        finally:
+            self.generation.generation_kwargs = base_kwargs
+        sampled, sampled_logprobs = [], []
+        for ids, token_logprobs, limit in zip(completion_ids, logprobs, max_new_tokens):
+            sampled.append(list(ids)[:limit])
+            sampled_logprobs.append([lp[0] for lp in token_logprobs][:limit])  # the sampled token's logprob
+        return sampled, sampled_logprobs
+
+
+@contextmanager
+def trainer_generator(trainer):
+    """The generator to use inside a TRL trainer: vLLM if enabled, else the unwrapped model."""
+    if getattr(trainer.args, "use_vllm", False):
+        yield VLLMGenerator(trainer)
+        return
+    from trl.models.utils import unwrap_model_for_generation
+
+    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
+                                     gather_deepspeed3_params=trainer.args.ds3_gather_for_generation) as model:
+        yield TransformersGenerator(model, trainer.processing_class, trainer.generation_config)
+
+
+# --------------------------------------------------------------------------------------------
+# Dialogues
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Dialogue:
+    """One dialogue's tokens, texts and scores. `simulator` belongs to this dialogue alone."""
+
+    dialogue_id: int
+    profile: simulator.Profile
+    simulator: simulator.Simulator
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    env_mask: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    sampled_turns: list[list[int]] = field(default_factory=list)  # the ids the policy sampled, per turn
+    thought_ids: list[list[int]] = field(default_factory=list)  # the sampled thinking part of each turn
+    think_texts: list[str] = field(default_factory=list)
+    reply_texts: list[str] = field(default_factory=list)
+    emotions: list[int] = field(default_factory=list)  # after each turn
+    reasons: list[str] = field(default_factory=list)
+    format_violations: int = 0
+    think_tokens: int = 0
+    reply_tokens: int = 0
+    simulator_seconds: float = 0.0
+    end_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.end_reason is not None
+
+    @property
+    def final_emotion(self) -> int:
+        return self.simulator.emotion
+
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    def append(self, ids: list[int], sampled: bool, logprobs=None) -> None:
+        self.completion_ids += ids
+        self.env_mask += [1 if sampled else 0] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [None] * len(ids)
+
+    def transcript(self, step: int | None = None) -> dict:
+        """A benchmark result row (SAGE format) plus training fields."""
+        history = [dict(message) for message in self.simulator.history]
+        replies = [m for m in history if m["role"] == "assistant"]
+        for message, thought in zip(replies, self.think_texts):
+            if thought:
+                message["think"] = thought
+        return {**self.profile.to_row(), "emo_point": self.final_emotion,
+                "emo_state": simulator.emotion_state(self.final_emotion), "history": history,
+                "step": step, "dialogue_id": self.dialogue_id, "end_reason": self.end_reason,
+                "turns": len(self.reply_texts), "think_texts": self.think_texts,
+                "format_violations": self.format_violations}
+
+
+class DialogueRunner:
+    """Runs batches of dialogues for one policy tokenizer and one simulator set-up.
+
+    It owns one event loop for its whole life, so an async HTTP client (the LLM simulator) is
+    always used from the loop it was made on."""
+
+    def __init__(self, tokenizer, config: RolloutConfig, chat=None):
+        self.tokenizer = tokenizer
+        self.config = config
+        self.chat = chat
+        self.segments = ChatSegments(tokenizer)
+        # The least room a turn needs: a minimal reply, and in think mode the inserted think tags and
+        # one token of thought.
+        self.min_turn_tokens = MIN_REPLY_TOKENS + (
+            len(self.segments.think_open) + len(self.segments.think_close) + 1 if config.think else 0)
+        self.loop = asyncio.new_event_loop()
+        self._next_id = 0
+
+    def close(self) -> None:
+        self.loop.close()
+
+    def new_simulator(self, profile) -> simulator.Simulator:
+        c = self.config
+        return simulator.make_simulator(profile, self.chat, variant=c.variant, start_emotion=c.start_emotion,
+                                        max_turns=c.max_turns, change_bound=c.change_bound, language=c.language)
+
+    def openings(self, profiles) -> dict[str, str]:
+        """Each profile's opening line, made once (first_talk, or the simulator's own opening), so the
+        dialogues of a group share it."""
+        async def open_all():
+            return await asyncio.gather(*(self.new_simulator(p).open() for p in profiles))
+        return dict(zip((p.id for p in profiles), self.loop.run_until_complete(open_all())))
+
+    def run(self, starts: list[tuple], generate) -> list[Dialogue]:
+        """Play one dialogue per (profile, opening line), in order; `generate(contexts, max_new_tokens)`
+        returns (sampled ids per context, their logprobs or None)."""
+        return self.loop.run_until_complete(self._run(starts, generate))
+
+    async def _run(self, starts, generate) -> list[Dialogue]:
+        c = self.config
+        dialogues = []
+        for profile, opening in starts:
+            sim = self.new_simulator(profile)
+            await sim.open(opening)
+            language = c.language or profile.language
+            prompt_ids = self.segments.prompt_ids(policy_system_prompt(language, c.think), opening)
+            if len(prompt_ids) + self.min_turn_tokens > c.max_dialogue_tokens:
+                raise ValueError(f"profile {profile.id}: the prompt alone takes {len(prompt_ids)} tokens, more than "
+                                 f"max_dialogue_tokens={c.max_dialogue_tokens} allows")
+            dialogues.append(Dialogue(self._next_id, profile, sim, prompt_ids))
+            self._next_id += 1
+        gate = asyncio.Semaphore(c.simulator_concurrency)
+        for _ in range(c.max_turns):  # a fixed number of generate calls: ranks stay in lockstep
+            active = [d for d in dialogues if not d.done]
+            for dialogue in active:
+                dialogue.sampled_turns.append([])
+                dialogue.thought_ids.append([])
+            if c.think:
+                thoughts_closed = self._sample(active, generate, phase="think")
+            replies = self._sample(active, generate, phase="reply")
+            for index, dialogue in enumerate(active):
+                self._read_turn(dialogue, thoughts_closed[index] if c.think else True, replies[index])
+            await asyncio.gather(*(self._answer(d, gate) for d in active))
+        return dialogues
+
+    def _sample(self, active: list[Dialogue], generate, phase: str) -> list:
+        """One batched generate call for every active dialogue. Think phase: insert <think>, sample
+        up to </think>, force-close if needed; returns whether each policy closed its thinking.
+        Reply phase: sample up to the end of turn; returns each reply's ids."""
+        c, segments = self.config, self.segments
+        if phase == "think":
+            for dialogue in active:
+                dialogue.append(segments.think_open, sampled=False)
+        budgets = []
+        for dialogue in active:
+            room = c.max_dialogue_tokens - len(dialogue.context())
+            if phase == "think":
+                budgets.append(min(c.max_think_tokens, room - len(segments.think_close) - MIN_REPLY_TOKENS))
+            else:
+                budgets.append(min(c.max_reply_tokens, room))
+        sampled, logprobs = generate([d.context() for d in active], budgets,
+                                     stop=THINK_CLOSE if phase == "think" else None)
+        results = []
+        for index, (dialogue, ids) in enumerate(zip(active, sampled)):
+            token_logprobs = logprobs[index] if logprobs else None
+            if phase == "think":
+                ids, closed = self._cut_thought(ids)
+                token_logprobs = token_logprobs[:len(ids)] if token_logprobs else None
+            dialogue.append(ids, sampled=True, logprobs=token_logprobs)
+            dialogue.sampled_turns[-1] += ids
+            if phase == "think":
+                dialogue.thought_ids[-1] = ids
+                if not closed:
+                    dialogue.append(segments.think_close, sampled=False)  # budget forcing
+                results.append(closed)
+            else:
+                results.append(ids)
+        return results
+
+    def _cut_thought(self, ids: list[int]) -> tuple[list[int], bool]:
+        """Keep sampled thinking up to and including the first </think>; drop an end-of-turn token
+        sampled before it (the turn is not over: the reply comes next). Dropping a suffix of sampled
+        tokens keeps the rest exactly as sampled."""
+        for end in range(1, len(ids) + 1):
+            if ids[end - 1] in self.segments.eos_ids:
+                return ids[:end - 1], False
+            if THINK_CLOSE in self.tokenizer.decode(ids[max(0, end - 8):end]):
+                return ids[:end], True
+        return ids, False
+
+    def _read_turn(self, dialogue: Dialogue, thought_closed: bool, reply_ids: list[int]) -> None:
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        text = decode(reply_ids)
+        if self.config.think:
+            text = THINK_OPEN + decode(dialogue.thought_ids[-1]) + ("" if thought_closed else THINK_CLOSE) + text
+        thought, reply, well_formed = split_think(text, self.config.think)
+        dialogue.think_texts.append(thought)
+        dialogue.reply_texts.append(reply)
+        dialogue.format_violations += not (well_formed and thought_closed)
+        dialogue.think_tokens += len(self.segments.encode(thought)) if thought else 0
+        dialogue.reply_tokens += len(self.segments.encode(reply)) if reply else 0
+
+    async def _answer(self, dialogue: Dialogue, gate: asyncio.Semaphore) -> None:
+        async with gate:
+            started = time.perf_counter()
+            turn = await dialogue.simulator.respond(dialogue.reply_texts[-1])
+            dialogue.simulator_seconds += time.perf_counter() - started
+        dialogue.emotions.append(turn.emotion)
+        dialogue.reasons.append(turn.reasoning)
+        if turn.done:
+            dialogue.end_reason = turn.end_reason
+            return
+        inserted = self.segments.closing_ids(dialogue.completion_ids) + self.segments.user_turn_ids(turn.message)
+        if len(dialogue.context()) + len(inserted) + self.min_turn_tokens > self.config.max_dialogue_tokens:
+            dialogue.end_reason = "token_budget"  # the next user message and a reply would not fit
+            return
+        dialogue.append(inserted, sampled=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Results: what TRL's rollout_func returns, metrics, transcripts
+# --------------------------------------------------------------------------------------------
+
+def reward(final_emotion: int, format_violations: int, format_penalty: float = 0.0) -> float:
+    """The paper's reward: final emotion / 100, given once per dialogue (minus the optional format penalty)."""
+    return final_emotion / simulator.MAX_EMOTION - (format_penalty if format_violations else 0.0)
+
+
+def rollout_output(dialogues: list[Dialogue], with_logprobs: bool) -> dict:
+    """The dict TRL's GRPOTrainer expects from `rollout_func`; keys other than prompt_ids,
+    completion_ids, logprobs and env_mask reach the reward functions as per-row keyword arguments."""
+    return {
+        "prompt_ids": [d.prompt_ids for d in dialogues],
+        "completion_ids": [d.completion_ids for d in dialogues],
+        "logprobs": [d.logprobs for d in dialogues] if with_logprobs else None,
+        "env_mask": [d.env_mask for d in dialogues],
+        "final_emotion": [d.final_emotion for d in dialogues],
+        "format_violations": [d.format_violations for d in dialogues],
+        "turns": [len(d.reply_texts) for d in dialogues],
+        "end_reason": [d.end_reason for d in dialogues],
+        "think_tokens": [d.think_tokens for d in dialogues],
+        "reply_tokens": [d.reply_tokens for d in dialogues],
+        "simulator_seconds": [d.simulator_seconds for d in dialogues],
+        "emotions": [d.emotions for d in dialogues],
+    }
+
+
+def dialogue_metrics(final_emotion, turns, end_reason, format_violations, think_tokens, reply_tokens,
+                     simulator_seconds, emotions, max_turns: int) -> dict[str, float]:
+    """The fixed set of training metrics (README lists them), from per-dialogue values."""
+    count = len(final_emotion)
+    policy_turns = max(1, sum(turns))
+    metrics = {
+        "emotion/final_mean": sum(final_emotion) / count,
+        "emotion/success_rate": sum(e >= simulator.FAREWELL_AT for e in final_emotion) / count,
+        "emotion/failure_rate": sum(e < simulator.GIVE_UP_BELOW for e in final_emotion) / count,
+        "dialogue/turns_mean": sum(turns) / count,
+        "format/violation_rate": sum(format_violations) / policy_turns,
+        "length/think_tokens_per_turn": sum(think_tokens) / policy_turns,
+        "length/reply_tokens_per_turn": sum(reply_tokens) / policy_turns,
+        "simulator/seconds_per_turn": sum(simulator_seconds) / policy_turns,
+    }
+    for reason in END_REASONS:
+        metrics[f"dialogue/ended_{reason}"] = sum(r == reason for r in end_reason) / count
+    for turn in range(max_turns):  # the emotion trajectory; an ended dialogue keeps its final emotion
+        metrics[f"emotion/after_turn_{turn + 1}"] = sum(e[min(turn, len(e) - 1)] for e in emotions) / count
+    return metrics
+
+
+def write_transcripts(path, dialogues: list[Dialogue], step: int | None = None) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as out:
+        for dialogue in dialogues:
+            out.write(json.dumps(dialogue.transcript(step), ensure_ascii=False) + "\n")

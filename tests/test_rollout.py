@@ -1,0 +1,245 @@
+"""Token-level multi-turn rollouts: masks, think handling, budgets, ordering, isolation."""
+import json
+
+import pytest
+from fake_openai import FakeOpenAIServer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+import rollout
+import simulator
+from rollout import DialogueRunner, RolloutConfig, TransformersGenerator, split_think
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    return model, tokenizer
+
+
+def sampling_generator(model, tokenizer, seed_sampling=True):
+    config = GenerationConfig(do_sample=seed_sampling, temperature=1.0, top_k=0, top_p=1.0,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return TransformersGenerator(model, tokenizer, config)
+
+
+class Recording:
+    """Wraps a real generator and keeps what it returned, per call, to check the rollout against."""
+
+    def __init__(self, generate):
+        self.generate, self.calls = generate, []
+
+    def __call__(self, contexts, max_new_tokens, stop=None):
+        sampled, logprobs = self.generate(contexts, max_new_tokens, stop=stop)
+        self.calls.append({"contexts": contexts, "budgets": max_new_tokens, "sampled": sampled, "stop": stop})
+        return sampled, logprobs
+
+
+class Scripted:
+    """Stands in for the model at the generation interface: returns given texts, as token ids, per
+    dialogue (keyed by the opening line, so order changes cannot hide a mix-up)."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]], openings: dict[str, str]):
+        self.tokenizer, self.scripts, self.openings = tokenizer, scripts, openings
+        self.turn = {}
+
+    def __call__(self, contexts, max_new_tokens, stop=None):
+        sampled = []
+        for context, limit in zip(contexts, max_new_tokens):
+            text = self.tokenizer.decode(context)
+            key = next(k for k, opening in self.openings.items() if opening in text)
+            index = self.turn.get(key, 0)
+            self.turn[key] = index + 1
+            ids = self.tokenizer(self.scripts[key][index], add_special_tokens=False)["input_ids"]
+            sampled.append((ids + [self.tokenizer.eos_token_id])[:limit])
+        return sampled, None
+
+
+def profiles(count=2):
+    return simulator.load_profiles(simulator.DEFAULT_PROFILES)[:count]
+
+
+def run(tokenizer, generate, starts, chat=None, **config):
+    runner = DialogueRunner(tokenizer, RolloutConfig(**config), chat)
+    try:
+        return runner.run(starts, generate)
+    finally:
+        runner.close()
+
+
+def starts_for(tokenizer, chosen, copies=1, **config):
+    runner = DialogueRunner(tokenizer, RolloutConfig(**config))
+    openings = runner.openings(chosen)
+    runner.close()
+    return [(p, openings[p.id]) for p in chosen for _ in range(copies)], openings
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_env_mask_is_one_exactly_on_the_sampled_tokens(tiny, think):
+    model, tokenizer = tiny
+    segments = rollout.ChatSegments(tokenizer)
+    starts, _ = starts_for(tokenizer, profiles(2), copies=2)
+    dialogues = run(tokenizer, sampling_generator(model, tokenizer), starts, think=think, max_turns=3,
+                    max_think_tokens=6, max_reply_tokens=10)
+    for dialogue in dialogues:
+        assert len(dialogue.env_mask) == len(dialogue.completion_ids) == len(dialogue.logprobs)
+        # Rebuild the completion from its parts: what the policy sampled (1), what was inserted (0).
+        expected, mask = [], []
+
+        def add(ids, sampled):
+            expected.extend(ids)
+            mask.extend([int(sampled)] * len(ids))
+
+        user_messages = [m["content"] for m in dialogue.simulator.history if m["role"] == "user"][1:]
+        for turn, (turn_ids, thought) in enumerate(zip(dialogue.sampled_turns, dialogue.thought_ids)):
+            if think:
+                add(segments.think_open, False)
+                add(thought, True)
+                if not tokenizer.decode(thought).endswith("</think>"):
+                    add(segments.think_close, False)
+            add(turn_ids[len(thought):], True)
+            if turn < len(dialogue.sampled_turns) - 1:  # nothing is appended after the last turn
+                add(segments.closing_ids(turn_ids) + segments.user_turn_ids(user_messages[turn]), False)
+        assert expected == dialogue.completion_ids
+        assert mask == dialogue.env_mask
+
+
+def test_masked_in_tokens_are_what_the_model_returned_turn_by_turn(tiny):
+    model, tokenizer = tiny
+    starts, _ = starts_for(tokenizer, profiles(2), copies=2)
+    recorder = Recording(sampling_generator(model, tokenizer))
+    dialogues = run(tokenizer, recorder, starts, max_turns=3, max_reply_tokens=10)
+    for turn, call in enumerate(recorder.calls):
+        active = [d for d in dialogues if len(d.sampled_turns) > turn]
+        assert [d.sampled_turns[turn] for d in active] == call["sampled"]
+    for dialogue in dialogues:
+        runs, current = [], []
+        for token, keep in zip(dialogue.completion_ids, dialogue.env_mask):
+            if keep:
+                current.append(token)
+            elif current:
+                runs, current = runs + [current], []
+        runs += [current] if current else []
+        assert [tokenizer.decode(r) for r in runs] == [tokenizer.decode(t) for t in dialogue.sampled_turns]
+
+
+def test_inserted_tokens_are_the_user_messages_in_the_chat_template(tiny):
+    model, tokenizer = tiny
+    starts, _ = starts_for(tokenizer, profiles(1))
+    [dialogue] = run(tokenizer, sampling_generator(model, tokenizer), starts, max_turns=2, max_reply_tokens=8)
+    inserted = tokenizer.decode([t for t, keep in zip(dialogue.completion_ids, dialogue.env_mask) if not keep])
+    second_user_message = dialogue.simulator.history[2]["content"]
+    assert second_user_message in inserted and "<|im_start|>user" in inserted
+    assert inserted.endswith("<|im_start|>assistant\n")
+
+
+def test_the_simulator_never_receives_the_thought(tiny):
+    _, tokenizer = tiny
+    chosen = profiles(1)
+    starts, openings = starts_for(tokenizer, chosen)
+    script = Scripted(tokenizer, {chosen[0].id: ["SECRETPLAN she wants an ear</think>", "I am so sorry about the sofas."]},
+                      openings)
+    with FakeOpenAIServer(["Fine.\nCHANGE: +5", "Okay."]) as server:
+        chat = simulator.ChatClient(server.base_url, "sim-model", max_retries=0)
+        [dialogue] = run(tokenizer, script, starts, chat=chat, think=True, max_turns=1,
+                         max_think_tokens=40, max_reply_tokens=20)
+        sent = json.dumps(server.requests)
+    assert "SECRETPLAN" not in sent
+    assert "I am so sorry about the sofas." in sent
+    assert dialogue.think_texts == ["SECRETPLAN she wants an ear"]
+    assert dialogue.format_violations == 0
+
+
+def test_thinking_past_its_budget_is_closed_for_the_policy_and_counted(tiny):
+    _, tokenizer = tiny
+    chosen = profiles(1)
+    starts, openings = starts_for(tokenizer, chosen)
+    long_thought = "hmm " * 50
+    script = Scripted(tokenizer, {chosen[0].id: [long_thought, "That sounds heavy."]}, openings)
+    [dialogue] = run(tokenizer, script, starts, think=True, max_turns=1, max_think_tokens=5, max_reply_tokens=20)
+    segments = rollout.ChatSegments(tokenizer)
+    close_at = len(segments.think_open) + 5
+    assert dialogue.completion_ids[close_at:close_at + len(segments.think_close)] == segments.think_close
+    assert dialogue.env_mask[close_at:close_at + len(segments.think_close)] == [0] * len(segments.think_close)
+    assert dialogue.reply_texts == ["That sounds heavy."]
+    assert dialogue.format_violations == 1
+
+
+@pytest.mark.parametrize("text, think, expected", [
+    ("<think>she is hurt</think> That sounds painful.", True, ("she is hurt", "That sounds painful.", True)),
+    ("<think>a</think> b </think> c", True, ("a</think> b", "c", False)),
+    ("<think>never closed, all thought", True, ("never closed, all thought", "", False)),
+    ("No thinking at all.", True, ("", "No thinking at all.", False)),
+    ("<think>only thought</think>", True, ("only thought", "", False)),
+    ("<think>x</think> y", False, ("", "<think>x</think> y", True)),
+])
+def test_split_think_passes_on_only_the_text_after_the_last_close(text, think, expected):
+    assert split_think(text, think) == expected
+
+
+def test_a_dialogue_ended_early_leaves_the_others_matched(tiny):
+    _, tokenizer = tiny
+    chosen = profiles(3)
+    starts, openings = starts_for(tokenizer, chosen)
+    scripts = {
+        chosen[0].id: ["Just calm down, it's not a big deal."] * 4,  # gives up after two turns from 20
+        chosen[1].id: [f"Tell me more about that, turn {i}." for i in range(4)],
+        chosen[2].id: [f"What happened next, part {i}?" for i in range(4)],
+    }
+    dialogues = run(tokenizer, Scripted(tokenizer, scripts, openings), starts, max_turns=4, start_emotion=20)
+    assert dialogues[0].end_reason == "gave_up" and len(dialogues[0].reply_texts) == 2
+    for dialogue in dialogues:
+        assert dialogue.reply_texts == scripts[dialogue.profile.id][:len(dialogue.reply_texts)]
+        replies = [m["content"] for m in dialogue.simulator.history if m["role"] == "assistant"]
+        assert replies == dialogue.reply_texts
+    assert [len(d.reply_texts) for d in dialogues[1:]] == [4, 4]
+
+
+def test_token_budget_is_never_exceeded(tiny):
+    model, tokenizer = tiny
+    starts, _ = starts_for(tokenizer, profiles(2), copies=2)
+    budget = max(len(rollout.ChatSegments(tokenizer).prompt_ids(rollout.policy_system_prompt("en", False), o))
+                 for _, o in starts) + 90
+    dialogues = run(tokenizer, sampling_generator(model, tokenizer), starts, max_turns=8, max_reply_tokens=30,
+                    max_dialogue_tokens=budget)
+    assert all(len(d.prompt_ids) + len(d.completion_ids) <= budget for d in dialogues)
+    assert {d.end_reason for d in dialogues} == {"token_budget"}
+
+
+def test_a_prompt_longer_than_the_budget_is_a_clear_error(tiny):
+    model, tokenizer = tiny
+    starts, _ = starts_for(tokenizer, profiles(1))
+    with pytest.raises(ValueError, match="prompt alone takes"):
+        run(tokenizer, sampling_generator(model, tokenizer), starts, max_dialogue_tokens=20)
+
+
+def test_one_dialogue_per_start_in_order_and_groups_share_profile_and_opening(tiny):
+    model, tokenizer = tiny
+    starts, openings = starts_for(tokenizer, profiles(2), copies=3)
+    dialogues = run(tokenizer, sampling_generator(model, tokenizer), starts, max_turns=1, max_reply_tokens=6)
+    assert [d.profile.id for d in dialogues] == [p.id for p, _ in starts]
+    for dialogue in dialogues:
+        assert dialogue.simulator.history[0]["content"] == openings[dialogue.profile.id]
+    output = rollout.rollout_output(dialogues, with_logprobs=False)
+    assert len(output["prompt_ids"]) == len(starts) and output["logprobs"] is None
+    assert output["prompt_ids"][0] == output["prompt_ids"][2]  # same profile, same opening, same prompt
+
+
+def test_transcripts_are_benchmark_rows_with_step_and_thoughts(tiny, tmp_path):
+    model, tokenizer = tiny
+    starts, _ = starts_for(tokenizer, profiles(1))
+    dialogues = run(tokenizer, sampling_generator(model, tokenizer), starts, think=True, max_turns=2,
+                    max_think_tokens=4, max_reply_tokens=6)
+    rollout.write_transcripts(tmp_path / "t.jsonl", dialogues, step=7)
+    [row] = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert {"id", "player", "scene", "main_cha", "cha_group", "task", "emo_point", "emo_state", "history"} <= set(row)
+    assert row["step"] == 7 and len(row["think_texts"]) == 2
+    assert row["emo_point"] == dialogues[0].final_emotion
+    user_turns = [m for m in row["history"] if m["role"] == "user"][1:]
+    assert all("emotion-point" in m and "reasoning" in m for m in user_turns)
+
+
+def test_reward_is_final_emotion_over_one_hundred_minus_the_format_penalty():
+    assert rollout.reward(85, 0) == 0.85
+    assert rollout.reward(85, 2, format_penalty=0.1) == pytest.approx(0.75)
+    assert rollout.reward(85, 0, format_penalty=0.1) == 0.85

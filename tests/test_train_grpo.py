@@ -1,0 +1,63 @@
+"""train_grpo.py end to end on a tiny model, its reward function, and the paper recipes."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from trl import GRPOConfig, ModelConfig, TrlParser
+
+import rollout
+import simulator
+import train_grpo
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_reward_reads_the_final_emotion_not_the_completion_text():
+    reward = train_grpo.make_emotion_reward(rollout.RolloutConfig(max_turns=2, format_penalty=0.2))
+    logged = {}
+    rewards = reward(completions=["I am thrilled, 100/100!", "meh"], final_emotion=[20, 90], format_violations=[0, 1],
+                     turns=[2, 2], end_reason=["turn_limit", "turn_limit"], think_tokens=[0, 0], reply_tokens=[9, 9],
+                     simulator_seconds=[0.1, 0.1], emotions=[[25, 20], [60, 90]],
+                     log_metric=lambda name, value: logged.__setitem__(name, value))
+    assert rewards == pytest.approx([0.2, 0.7])
+    assert logged["emotion/final_mean"] == 55 and logged["emotion/after_turn_1"] == 42.5
+    assert logged["format/violation_rate"] == 0.25 and logged["dialogue/ended_turn_limit"] == 1
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("grpo_*.yaml")))
+def test_paper_recipes_parse_with_the_scripts_parser(recipe):
+    parser = TrlParser((train_grpo.DialogueArguments, simulator.SimulatorArguments, GRPOConfig, ModelConfig))
+    dialogue_args, simulator_args, training_args, model_args = parser.parse_args_and_config(
+        ["--config", str(recipe), "--bf16", "false", "--use_vllm", "false"])
+    assert model_args.model_name_or_path == "Qwen/Qwen2.5-7B-Instruct"
+    assert (training_args.learning_rate, training_args.beta, training_args.num_generations) == (1e-6, 0.0, 4)
+    assert dialogue_args.max_turns == 8 and simulator_args.backend == "llm"
+    assert dialogue_args.think == ("think" in recipe.name)
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_a_two_step_run_completes_and_writes_transcripts_and_metrics(tiny_model_dir, tmp_path, think):
+    launcher = ([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu"] if think
+                else [sys.executable])  # both ways users start it
+    command = launcher + [str(REPO / "train_grpo.py"), "--model_name_or_path", str(tiny_model_dir),
+                          "--output_dir", str(tmp_path), "--max_steps", "2", "--max_turns", "2",
+                          "--max_think_tokens", "4", "--max_reply_tokens", "6", "--num_generations", "2",
+                          "--per_device_train_batch_size", "4"] + (["--think"] if think else [])
+    finished = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "transcripts.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and {row["step"] for row in rows} == {0, 1}
+    assert all(len(row["think_texts"]) == row["turns"] for row in rows)
+    assert all(any(t for t in row["think_texts"]) == think for row in rows)
+    groups = [rows[i:i + 2] for i in range(0, 8, 2)]  # num_generations dialogues per profile, consecutive
+    assert all(a["id"] == b["id"] and a["history"][0] == b["history"][0] for a, b in groups)
+    history = json.loads((tmp_path / "trainer_state.json").read_text())["log_history"]
+    step_logs = [entry for entry in history if "emotion/final_mean" in entry]
+    assert len(step_logs) == 2
+    for name in ("reward", "emotion/success_rate", "emotion/failure_rate", "dialogue/turns_mean",
+                 "format/violation_rate", "length/think_tokens_per_turn", "length/reply_tokens_per_turn",
+                 "simulator/seconds_per_turn", "dialogue/ended_turn_limit", "emotion/after_turn_2"):
+        assert name in step_logs[0], name
+    assert (tmp_path / "adapter_model.safetensors").is_file()
