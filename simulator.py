@@ -27,9 +27,9 @@ Backends (`--backend`):
        validates, invites me to go on; "wants advice": concrete options, first steps), counted
        once each however often they repeat, and a gain also needs *grounding*: at least
        GROUNDING_WORDS content words that the user actually said. vanilla: 2+ families and
-       grounded +10; 1 family and 1 shared word, or grounded alone (partial credit for engaging
-       with my story) +5; else 0. challenging: 3+ families and grounded +10, 2+ and grounded +5,
-       1 and 1 shared word 0, else -5.
+       grounded +10; any word of the user's own taken up (partial credit for engaging with the
+       story) +5; else 0. challenging: 3+ families and grounded +10, 2+ and grounded +5, 1 and 1
+       shared word 0, else -5.
     3. Frictions add to the gain: lecturing (-5, or for one lecturing phrase when the person wants
        to vent, be empathised with, praised or cleared), blaming someone who wants to hear they
        were not at fault (-10), solutions pushed on someone who wants to be heard (-5).
@@ -779,7 +779,7 @@ class RuleSimulator(Simulator):
         shared = content_keys(reply_text) & content_keys(self._user_text())
         grounded = len(shared) >= GROUNDING_WORDS
         if self.variant == "vanilla":
-            gain = 10 if len(families) >= 2 and grounded else 5 if (families and shared) or grounded else 0
+            gain = 10 if len(families) >= 2 and grounded else 5 if shared else 0
         else:
             gain = (10 if len(families) >= 3 and grounded else 5 if len(families) >= 2 and grounded
                     else 0 if families and shared else -5)
