@@ -67,6 +67,34 @@ class RolloutConfig:
     language: str | None = None  # simulator prompt language; default: the profile's
 
 
+@dataclass
+class DialogueArguments:
+    """Who the policy talks to, and for how long: the dialogue options of train_grpo.py and train_ppo.py
+    (defaults: the offline CPU demo)."""
+
+    think: bool = field(default=False, metadata={"help": "think-then-say: <think>...</think> before each reply"})
+    profiles: str = field(default=str(simulator.DEFAULT_PROFILES), metadata={"help": "training profiles (JSON Lines)"})
+    max_turns: int = field(default=2, metadata={"help": "policy turns per dialogue (paper: 8; demo: 2 for CPU time)"})
+    max_think_tokens: int = field(default=16, metadata={"help": "thinking tokens per turn (paper: up to ~5k a turn)"})
+    max_reply_tokens: int | None = field(default=None, metadata={
+        "help": "reply tokens per turn; default 48, or 32 with --think so that a demo turn samples at most 48 "
+                "tokens either way (paper: up to ~5k a turn)"})
+    max_dialogue_tokens: int = field(default=1024, metadata={"help": "prompt + completion tokens per dialogue"})
+    format_penalty: float = field(default=0.0, metadata={"help": "subtracted from the reward of a dialogue with a think-format violation"})
+    simulator_concurrency: int = field(default=32, metadata={"help": "simulator calls in flight at once"})
+
+
+def rollout_config(dialogue_args: DialogueArguments, simulator_args: simulator.SimulatorArguments) -> RolloutConfig:
+    """The rollout settings from the scripts' arguments; the reply budget defaults to 48 tokens, or
+    32 with think (16 thinking + 32 reply), so a demo turn samples at most 48 tokens either way."""
+    reply_tokens = dialogue_args.max_reply_tokens or (32 if dialogue_args.think else 48)
+    return RolloutConfig(
+        think=dialogue_args.think, max_turns=dialogue_args.max_turns, max_think_tokens=dialogue_args.max_think_tokens,
+        max_reply_tokens=reply_tokens, max_dialogue_tokens=dialogue_args.max_dialogue_tokens,
+        format_penalty=dialogue_args.format_penalty, simulator_concurrency=dialogue_args.simulator_concurrency,
+        variant=simulator_args.variant, change_bound=simulator_args.change_bound, language=simulator_args.language)
+
+
 # --------------------------------------------------------------------------------------------
 # The policy's side: system prompt, think parsing, chat-template pieces
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ length/reply_tokens_per_turn; simulator/seconds_per_turn. Transcripts of every d
 `<output_dir>/transcripts.jsonl` (benchmark result format plus step and thoughts).
 """
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,20 +37,6 @@ from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 
 import rollout
 import simulator
-
-
-@dataclass
-class DialogueArguments:
-    """Who the policy talks to, and for how long."""
-
-    think: bool = field(default=False, metadata={"help": "think-then-say: <think>...</think> before each reply"})
-    profiles: str = field(default=str(simulator.DEFAULT_PROFILES), metadata={"help": "training profiles (JSON Lines)"})
-    max_turns: int = field(default=2, metadata={"help": "policy turns per dialogue (paper: 8; demo: 2 for CPU time)"})
-    max_think_tokens: int = field(default=32, metadata={"help": "thinking tokens per turn (paper: up to ~5k a turn)"})
-    max_reply_tokens: int = field(default=48, metadata={"help": "reply tokens per turn (paper: up to ~5k a turn)"})
-    max_dialogue_tokens: int = field(default=1024, metadata={"help": "prompt + completion tokens per dialogue"})
-    format_penalty: float = field(default=0.0, metadata={"help": "subtracted from the reward of a dialogue with a think-format violation"})
-    simulator_concurrency: int = field(default=32, metadata={"help": "simulator calls in flight at once"})
 
 
 # The offline demo. Paper values (DESIGN.md section 5) in the comments; recipes/ hold them.
@@ -98,7 +83,7 @@ def use_all_cpu_cores() -> None:
 
 def main() -> None:
     use_all_cpu_cores()
-    parser = TrlParser((DialogueArguments, simulator.SimulatorArguments, GRPOConfig, ModelConfig))
+    parser = TrlParser((rollout.DialogueArguments, simulator.SimulatorArguments, GRPOConfig, ModelConfig))
     parser.set_defaults(**DEMO_DEFAULTS)
     dialogue_args, simulator_args, training_args, model_args = parser.parse_args_and_config()
 
@@ -113,11 +98,7 @@ def main() -> None:
     model_path = simulator.resolve_model(model_args.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     chat = simulator.make_chat(simulator_args)
-    config = rollout.RolloutConfig(
-        think=dialogue_args.think, max_turns=dialogue_args.max_turns, max_think_tokens=dialogue_args.max_think_tokens,
-        max_reply_tokens=dialogue_args.max_reply_tokens, max_dialogue_tokens=dialogue_args.max_dialogue_tokens,
-        format_penalty=dialogue_args.format_penalty, simulator_concurrency=dialogue_args.simulator_concurrency,
-        variant=simulator_args.variant, change_bound=simulator_args.change_bound, language=simulator_args.language)
+    config = rollout.rollout_config(dialogue_args, simulator_args)
     runner = rollout.DialogueRunner(tokenizer, config, chat)
     if chat is not None:
         runner.loop.run_until_complete(chat.check())  # fail now, not after loading the model

@@ -28,7 +28,7 @@ def test_reward_reads_the_final_emotion_not_the_completion_text():
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("grpo_*.yaml")))
 def test_paper_recipes_parse_with_the_scripts_parser(recipe):
-    parser = TrlParser((train_grpo.DialogueArguments, simulator.SimulatorArguments, GRPOConfig, ModelConfig))
+    parser = TrlParser((rollout.DialogueArguments, simulator.SimulatorArguments, GRPOConfig, ModelConfig))
     dialogue_args, simulator_args, training_args, model_args = parser.parse_args_and_config(
         ["--config", str(recipe), "--bf16", "false", "--use_vllm", "false"])
     assert model_args.model_name_or_path == "Qwen/Qwen2.5-7B-Instruct"
