@@ -31,8 +31,9 @@ Budgets are in tokens: per policy turn `max_think_tokens` and `max_reply_tokens`
 `max_dialogue_tokens` for prompt plus completion; a dialogue that cannot fit another user message
 and a minimal turn ends with reason "token_budget".
 
-Generation backends: `TransformersGenerator` (model.generate, CPU or GPU) and, inside TRL training
-with `use_vllm`, `VLLMGenerator` over `trainer.vllm_generation` (untested here: no vLLM on CPU).
+Generation backends: `TransformersGenerator` (model.generate, CPU or GPU); inside TRL training with
+`use_vllm`, `VLLMGenerator` over `trainer.vllm_generation`; elsewhere (train_ppo.py),
+`VLLMServerGenerator` over `trl vllm-serve`. The vLLM ones are untested here (no vLLM on CPU).
 """
 import asyncio
 import copy
@@ -230,6 +231,43 @@ class VLLMGenerator:
         return sampled, sampled_logprobs
 
 
+class VLLMServerGenerator:
+    """Sampling from TRL's generation server (`trl vllm-serve`) outside a TRL trainer, as in
+    train_ppo.py; `push_weights` sends the policy's current weights before each rollout.
+    Written against TRL 1.16's VLLMClient; untested here (no vLLM on CPU)."""
+
+    def __init__(self, host: str, port: int, temperature: float):
+        from trl.generation.vllm_client import VLLMClient  # raises a clear ImportError without vLLM
+
+        self.client = VLLMClient(host=host, server_port=port, connection_timeout=240)
+        self.client.init_communicator()
+        self.temperature = temperature
+
+    def push_weights(self, model) -> None:
+        is_peft = hasattr(model, "merge_adapter")
+        if is_peft:
+            model.merge_adapter()  # send base + LoRA as plain weights, under the base model's names
+        for name, parameter in model.named_parameters():
+            if is_peft:
+                if "lora_" in name:
+                    continue
+                name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            self.client.update_named_param(name, parameter.data)
+        if is_peft:
+            model.unmerge_adapter()
+        self.client.reset_prefix_cache()
+
+    def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
+        if not contexts:
+            return [], None
+        output = self.client.generate(
+            prompts=contexts, n=1, temperature=self.temperature, max_tokens=max(max_new_tokens), logprobs=0,
+            generation_kwargs={"stop": [stop], "include_stop_str_in_output": True} if stop else None)
+        sampled = [list(ids)[:limit] for ids, limit in zip(output["completion_ids"], max_new_tokens)]
+        logprobs = [[lp[0] for lp in seq][:limit] for seq, limit in zip(output["logprobs"], max_new_tokens)]
+        return sampled, logprobs
+
+
 @contextmanager
 def trainer_generator(trainer):
     """The generator to use inside a TRL trainer: vLLM if enabled, else the unwrapped model."""
@@ -260,6 +298,7 @@ class Dialogue:
     logprobs: list[float | None] = field(default_factory=list)
     sampled_turns: list[list[int]] = field(default_factory=list)  # the ids the policy sampled, per turn
     thought_ids: list[list[int]] = field(default_factory=list)  # the sampled thinking part of each turn
+    turn_starts: list[int] = field(default_factory=list)  # where each policy turn begins in completion_ids
     think_texts: list[str] = field(default_factory=list)
     reply_texts: list[str] = field(default_factory=list)
     emotions: list[int] = field(default_factory=list)  # after each turn
@@ -357,6 +396,7 @@ class DialogueRunner:
             for dialogue in active:
                 dialogue.sampled_turns.append([])
                 dialogue.thought_ids.append([])
+                dialogue.turn_starts.append(len(dialogue.completion_ids))
             if c.think:
                 thoughts_closed = self._sample(active, generate, phase="think")
             replies = self._sample(active, generate, phase="reply")

@@ -1,0 +1,151 @@
+"""train_ppo.py: GAE over policy tokens, reward placement, masking, end-to-end runs, resume."""
+import collections
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_ppo
+from train_ppo import masked_gae, place_rewards, ppo_losses
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Row 0: prompt, two policy tokens, two user-turn tokens, two policy tokens, padding.
+# Row 1: a dialogue that ended after its first turn, then padding.
+MASK = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0],
+                     [0, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.float)
+VALUES = torch.tensor([[9.0, 0.1, 0.2, 5.0, 5.0, 0.3, 0.4, 9.0],  # 9s and 5s sit on non-actions
+                       [9.0, 0.5, 0.6, 9.0, 9.0, 9.0, 9.0, 9.0]])
+
+
+def test_reward_lands_on_the_last_token_the_policy_sampled():
+    rewards = place_rewards(MASK, [1.0, 0.3])
+    expected = torch.zeros_like(MASK)
+    expected[0, 6], expected[1, 2] = 1.0, 0.3
+    assert torch.equal(rewards, expected)
+
+
+def test_gae_with_gamma_and_lambda_one_matches_the_hand_computation():
+    advantages, returns = masked_gae(place_rewards(MASK, [1.0, 0.3]), VALUES, MASK, gamma=1.0, lam=1.0)
+    # Row 0: A4 = 1 - 0.4; A3 = 0.4 - 0.3 + A4; A2 = 0.3 - 0.2 + A3 (bootstrapping across the user turn); A1 = 0.2 - 0.1 + A2.
+    assert advantages[0].tolist() == pytest.approx([0, 0.9, 0.8, 0, 0, 0.7, 0.6, 0])
+    # Row 1 ended early: its chain stops at its own last action, with nothing after it.
+    assert advantages[1].tolist() == pytest.approx([0, -0.2, -0.3, 0, 0, 0, 0, 0])
+    assert returns[0].tolist() == pytest.approx([0, 1.0, 1.0, 0, 0, 1.0, 1.0, 0])
+
+
+def test_gae_with_discounting_matches_the_hand_computation():
+    advantages, _ = masked_gae(place_rewards(MASK, [1.0, 0.3]), VALUES, MASK, gamma=0.9, lam=0.8)
+    a4 = 1 - 0.4
+    a3 = (0.9 * 0.4 - 0.3) + 0.72 * a4
+    a2 = (0.9 * 0.3 - 0.2) + 0.72 * a3
+    a1 = (0.9 * 0.2 - 0.1) + 0.72 * a2
+    assert advantages[0].tolist() == pytest.approx([0, a1, a2, 0, 0, a3, a4, 0])
+
+
+def test_values_on_user_tokens_do_not_change_the_advantages():
+    noisy = VALUES.clone()
+    noisy[0, 3:5] = -100.0
+    assert torch.equal(masked_gae(place_rewards(MASK, [1.0, 0.3]), VALUES, MASK, 1.0, 1.0)[0],
+                       masked_gae(place_rewards(MASK, [1.0, 0.3]), noisy, MASK, 1.0, 1.0)[0])
+
+
+def test_masked_tokens_contribute_nothing_to_either_loss():
+    torch.manual_seed(0)
+    shape = MASK.shape
+    batch = {"action_mask": MASK, "old_logprobs": torch.randn(shape), "old_values": torch.randn(shape),
+             "returns": torch.randn(shape), "advantages": torch.randn(shape)}
+    new_logprobs, entropy, new_values = torch.randn(shape), torch.rand(shape), torch.randn(shape)
+    args = train_ppo.PPOArguments()
+    before = ppo_losses(new_logprobs, entropy, new_values, batch, args)
+    off = MASK == 0
+    perturbed = [t.masked_fill(off, 1e3) for t in (new_logprobs, entropy, new_values)]
+    after = ppo_losses(*perturbed, batch, args)
+    assert before[0].item() == pytest.approx(after[0].item()) and before[1].item() == pytest.approx(after[1].item())
+    moved = [t + MASK * 0.5 for t in (new_logprobs, entropy, new_values)]  # an action's change does count
+    assert ppo_losses(*moved, batch, args)[0].item() != pytest.approx(before[0].item())
+
+
+def run_ppo(tiny_model_dir, output_dir, *flags, launcher=(sys.executable,)):
+    command = list(launcher) + [str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
+                                "--output_dir", str(output_dir), "--max_turns", "2", "--max_think_tokens", "4",
+                                "--max_reply_tokens", "6", "--dialogues_per_profile", "2", *flags]
+    finished = subprocess.run(command, cwd=output_dir.parent, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    transcripts = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return transcripts, metrics
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_a_two_step_run_completes_and_writes_transcripts_and_metrics(tiny_model_dir, tmp_path, think):
+    launcher = ((sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu") if think
+                else (sys.executable,))
+    transcripts, metrics = run_ppo(tiny_model_dir, tmp_path / "run", "--max_steps", "2",
+                                   *(["--think"] if think else []), launcher=launcher)
+    assert len(transcripts) == 8 and {row["step"] for row in transcripts} == {0, 1}
+    assert all(any(t for t in row["think_texts"]) == think for row in transcripts)
+    assert [m["step"] for m in metrics] == [0, 1]
+    for name in ("reward", "emotion/final_mean", "format/violation_rate", "ppo/policy_loss", "ppo/value_loss",
+                 "ppo/entropy", "dialogue/ended_turn_limit"):
+        assert name in metrics[0]
+    assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+
+
+def test_resume_continues_where_an_interrupted_run_stopped(tiny_model_dir, tmp_path):
+    output_dir = tmp_path / "run"
+    run_ppo(tiny_model_dir, output_dir, "--max_steps", "3", "--save_steps", "2")  # "interrupted" after step 3
+    assert (output_dir / "checkpoint-2").is_dir()
+    transcripts, metrics = run_ppo(tiny_model_dir, output_dir, "--max_steps", "4", "--save_steps", "2", "--resume")
+    per_step = collections.Counter(row["step"] for row in transcripts)
+    assert per_step == {0: 4, 1: 4, 2: 4, 3: 4}  # step 2 played again once, nothing lost or doubled
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+
+
+def test_a_new_run_refuses_an_output_dir_that_holds_one(tiny_model_dir, tmp_path):
+    output_dir = tmp_path / "run"
+    run_ppo(tiny_model_dir, output_dir, "--max_steps", "1")
+    finished = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
+                               "--output_dir", str(output_dir), "--max_steps", "1"], capture_output=True, text=True)
+    assert finished.returncode != 0 and "already holds a run" in finished.stderr
+
+
+def test_per_turn_rows_drop_earlier_thoughts_and_train_one_turn_each(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    import rollout
+    import simulator
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    generate = rollout.TransformersGenerator(model, tokenizer, GenerationConfig(
+        do_sample=True, top_k=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    runner = rollout.DialogueRunner(tokenizer, rollout.RolloutConfig(think=True, max_turns=3, max_think_tokens=5,
+                                                                     max_reply_tokens=6))
+    profile = simulator.load_profiles(simulator.DEFAULT_PROFILES)[0]
+    [dialogue] = runner.run([(profile, runner.openings([profile])[profile.id])], generate)
+    runner.close()
+    rows = train_ppo.per_turn_rows(dialogue)
+    assert len(rows) == len(dialogue.sampled_turns) == 3
+    segments = rollout.ChatSegments(tokenizer)
+    user_blocks = [dialogue.completion_ids[end:start] for end, start in zip(
+        [s + len(t) + len(segments.think_open) + (0 if tokenizer.decode(th).endswith("</think>") else len(segments.think_close))
+         for s, t, th in zip(dialogue.turn_starts, dialogue.sampled_turns, dialogue.thought_ids)],
+        dialogue.turn_starts[1:])]
+    context = list(dialogue.prompt_ids)
+    for turn, (ids, mask) in enumerate(rows):
+        actions = [token for token, keep in zip(ids, mask) if keep]
+        assert actions == dialogue.sampled_turns[turn]  # only this turn is trained
+        assert ids[:len(context)] == context  # earlier turns appear as replies only
+        thought = dialogue.thought_ids[turn]
+        context = context + dialogue.sampled_turns[turn][len(thought):] + user_blocks[turn] if turn < 2 else context
+    after_prompt = tokenizer.decode(rows[2][0][len(dialogue.prompt_ids):])
+    assert after_prompt.count("<think>") == 1  # only the current turn's thought
+
+
+def test_a_per_turn_rows_run_completes(tiny_model_dir, tmp_path):
+    transcripts, metrics = run_ppo(tiny_model_dir, tmp_path / "run", "--max_steps", "1", "--think", "--per_turn_rows")
+    assert len(transcripts) == 4 and metrics[0]["step"] == 0

@@ -1,0 +1,435 @@
+"""PPO against a simulated user: our own readable loop on Accelerate (TRL >= 1.13 has no PPOTrainer).
+
+    accelerate launch train_ppo.py            # offline demo, reply only (2 CPU cores)
+    accelerate launch train_ppo.py --think    # offline demo, think then reply
+    accelerate launch --config_file accelerate_configs/zero2.yaml train_ppo.py --config recipes/ppo_qwen2.5-7b_think.yaml
+
+One step:
+1. Rollout. `rollout.py` plays `profiles_per_step x dialogues_per_profile` dialogues (each group
+   shares a profile and its opening line). A row is one whole dialogue: prompt + completion, with
+   `env_mask` = 1 on the tokens the policy sampled (its actions) and 0 on everything inserted.
+2. Old log-probs (policy) and values (critic) at every action, computed once from the batch. The
+   value of an action is the critic's estimate at the state just before it was sampled.
+3. Reward: final emotion / 100 (minus the optional format penalty), placed on the last token the
+   policy sampled; with kl_coef > 0, minus kl_coef * (logp - ref_logp) on every action (a frozen
+   reference is loaded only then; the paper used none).
+4. GAE over the policy's actions only: the actions of a dialogue, in order, form one chain.
+   Inserted tokens (user turns) are not actions: they get no advantage, and the bootstrap runs from
+   the last action of one turn to the first action of the next across them. gamma = lambda = 1.
+   Advantages are whitened over the actions of the batch.
+5. `ppo_epochs` passes over shuffled minibatches of dialogues: clipped policy loss, entropy bonus,
+   clipped value loss, each network with its own optimizer and gradient clipping.
+
+Simplifications, on purpose: losses are means over action tokens of the minibatch (token-mean);
+the critic is a separate network (initialised from the policy, or from `critic_model_name_or_path`)
+with a zero-initialised linear value head. By default one dialogue is one row (the policy keeps
+its earlier thoughts, as in train_grpo.py); `--per_turn_rows` trains the paper's layout instead,
+each policy turn a row whose context drops earlier thoughts, all rows sharing the dialogue's
+reward. Logged metrics and transcripts are those of train_grpo.py, plus ppo/* losses.
+"""
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
+
+import rollout
+import simulator
+
+
+@dataclass
+class PPOArguments:
+    """PPO settings. Defaults: the offline demo; paper values (DESIGN.md section 5) in the help."""
+
+    config: str | None = field(default=None, metadata={"help": "YAML file of these options (CLI flags override it)"})
+    output_dir: str = field(default="runs/ppo-demo", metadata={"help": "checkpoints, transcripts, metrics"})
+    model_name_or_path: str = field(default=simulator.PACKAGED_MODEL, metadata={"help": "policy (paper: Qwen2.5-7B-Instruct)"})
+    critic_model_name_or_path: str | None = field(default=None, metadata={"help": "critic body; default: the policy's"})
+    use_peft: bool = field(default=True, metadata={"help": "LoRA on policy and critic (paper: full fine-tune)"})
+    lora_r: int = 16
+    lora_alpha: int = 32
+    learning_rate: float = field(default=1e-3, metadata={"help": "policy lr (paper: 1e-6; LoRA demo: 1e-3)"})
+    critic_learning_rate: float = field(default=1e-3, metadata={"help": "critic lr (paper: 5e-6)"})
+    profiles_per_step: int = field(default=2, metadata={"help": "profiles per step"})
+    dialogues_per_profile: int = field(default=4, metadata={"help": "dialogues per profile (2 x 4 = 8 per step; paper: 32)"})
+    max_steps: int = field(default=30, metadata={"help": "PPO steps (paper: 1000)"})
+    ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch (paper: 1)"})
+    minibatch_size: int = field(default=8, metadata={"help": "rows per optimizer step (demo: the whole batch)"})
+    gamma: float = field(default=1.0, metadata={"help": "discount (paper: 1)"})
+    lam: float = field(default=1.0, metadata={"help": "GAE lambda (paper: 1)"})
+    clip_range: float = field(default=0.2, metadata={"help": "policy ratio clip (paper: 0.2)"})
+    value_clip_range: float = field(default=0.2, metadata={"help": "value clip"})
+    entropy_coef: float = field(default=0.001, metadata={"help": "entropy bonus (paper: 0.001)"})
+    kl_coef: float = field(default=0.0, metadata={"help": "per-token KL to a frozen reference (paper: 0, none loaded)"})
+    max_grad_norm: float = 1.0
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (paper: 1.0)"})
+    seed: int = 42
+    save_steps: int = field(default=10, metadata={"help": "checkpoint every N steps"})
+    resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint in output_dir"})
+    report_to: str = field(default="none", metadata={"help": "none, tensorboard, wandb or trackio"})
+    use_vllm: bool = field(default=False, metadata={
+        "help": "generate with `trl vllm-serve` on other GPUs (untested here), weights pushed every step"})
+    vllm_server_host: str = "0.0.0.0"
+    vllm_server_port: int = 8000
+    per_turn_rows: bool = field(default=False, metadata={
+        "help": "the paper's layout: each policy turn its own row, earlier thoughts dropped from its context"})
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+class Critic(torch.nn.Module):
+    """A transformer body with a scalar value head: one value per position."""
+
+    def __init__(self, body, hidden_size: int):
+        super().__init__()
+        self.body = body
+        self.value_head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.value_head(hidden).squeeze(-1)
+
+
+def lora(model, args: PPOArguments):
+    if not args.use_peft:
+        return model
+    return get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0))
+
+
+def load_models(args: PPOArguments):
+    policy_path = simulator.resolve_model(args.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
+    policy = lora(AutoModelForCausalLM.from_pretrained(policy_path), args)
+    body = AutoModel.from_pretrained(simulator.resolve_model(args.critic_model_name_or_path or policy_path))
+    critic = Critic(lora(body, args), body.config.hidden_size)
+    if args.use_peft:
+        critic.value_head.requires_grad_(True)
+    reference = None
+    if args.kl_coef > 0:
+        reference = AutoModelForCausalLM.from_pretrained(policy_path).eval().requires_grad_(False)
+    return tokenizer, policy, critic, reference
+
+
+# --------------------------------------------------------------------------------------------
+# The batch: padded rows, action mask, log-probs, values
+# --------------------------------------------------------------------------------------------
+
+def dialogue_row(dialogue) -> tuple[list[int], list[int]]:
+    """One dialogue as one row: (token ids, action mask), the mask 1 on tokens the policy sampled."""
+    return dialogue.prompt_ids + dialogue.completion_ids, [0] * len(dialogue.prompt_ids) + dialogue.env_mask
+
+
+def per_turn_rows(dialogue) -> list[tuple[list[int], list[int]]]:
+    """The paper's layout: each policy turn its own row, whose context keeps only the replies of
+    earlier turns (their thoughts dropped); only that turn's sampled tokens are actions. The turn was
+    sampled with its earlier thoughts in view, so these rows are slightly off-policy for the first
+    PPO update; old log-probs are computed on the rows themselves."""
+    rows, context = [], list(dialogue.prompt_ids)
+    ends = dialogue.turn_starts[1:] + [len(dialogue.completion_ids)]
+    for turn, (start, end) in enumerate(zip(dialogue.turn_starts, ends)):
+        mask = dialogue.env_mask[start:end]
+        sampled_end = start + max(i for i, keep in enumerate(mask) if keep) + 1  # after this turn's reply
+        turn_ids, turn_mask = dialogue.completion_ids[start:sampled_end], dialogue.env_mask[start:sampled_end]
+        rows.append((context + turn_ids, [0] * len(context) + turn_mask))
+        reply = dialogue.sampled_turns[turn][len(dialogue.thought_ids[turn]):]
+        context = context + reply + dialogue.completion_ids[sampled_end:end]  # reply, then the user's next turn
+    return rows
+
+
+def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
+    """Right-padded ids, attention mask and float action mask from (ids, action mask) rows."""
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    action_mask = torch.zeros((len(rows), width), dtype=torch.float)
+    for i, (ids, mask) in enumerate(rows):
+        input_ids[i, :len(ids)] = torch.tensor(ids)
+        attention_mask[i, :len(ids)] = 1
+        action_mask[i, :len(ids)] = torch.tensor(mask, dtype=torch.float)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "action_mask": action_mask}
+
+
+def token_logprobs_and_entropy(model, input_ids, attention_mask, temperature: float):
+    """Log-prob of each token given the tokens before it (position 0 gets 0), and the entropy there."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    pad = torch.zeros_like(chosen[:, :1])
+    return torch.cat([pad, chosen], dim=1), torch.cat([pad, entropy], dim=1)
+
+
+def state_values(critic, input_ids, attention_mask):
+    """The value of the action at position t is the critic's output at t - 1 (the state before it)."""
+    values = critic(input_ids, attention_mask)[:, :-1]
+    return torch.cat([torch.zeros_like(values[:, :1]), values], dim=1)
+
+
+def place_rewards(action_mask, final_rewards, logprobs=None, ref_logprobs=None, kl_coef: float = 0.0):
+    """Final reward on the last action of each row; minus kl_coef * (logp - ref_logp) on every action."""
+    rewards = torch.zeros_like(action_mask)
+    positions = torch.arange(action_mask.size(1)).expand_as(action_mask)
+    last_action = (positions * action_mask).argmax(dim=1)
+    rewards[torch.arange(len(rewards)), last_action] = torch.as_tensor(final_rewards, dtype=rewards.dtype)
+    if kl_coef > 0:
+        rewards -= kl_coef * (logprobs - ref_logprobs) * action_mask
+    return rewards
+
+
+def masked_gae(rewards, values, action_mask, gamma: float, lam: float):
+    """GAE over the actions only: a non-action position is skipped, neither receiving an advantage
+    nor cutting the chain; the value after a row's last action is 0 (the dialogue is over)."""
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros(rewards.size(0))
+    running = torch.zeros(rewards.size(0))
+    for t in reversed(range(rewards.size(1))):
+        is_action = action_mask[:, t] > 0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * running
+        running = torch.where(is_action, advantage, running)
+        next_value = torch.where(is_action, values[:, t], next_value)
+        advantages[:, t] = torch.where(is_action, advantage, torch.zeros_like(advantage))
+    returns = (advantages + values) * action_mask
+    return advantages, returns
+
+
+def masked_mean(values, mask):
+    # where, not multiply: an inf or nan at a masked position must not leak in as 0 * inf = nan
+    return torch.where(mask > 0, values, torch.zeros_like(values)).sum() / mask.sum().clamp(min=1)
+
+
+def whiten(values, mask):
+    mean = masked_mean(values, mask)
+    std = masked_mean((values - mean) ** 2, mask).sqrt()
+    return torch.where(mask > 0, (values - mean) / (std + 1e-8), torch.zeros_like(values))
+
+
+def ppo_losses(new_logprobs, entropy, new_values, batch, args: PPOArguments):
+    """Clipped policy loss with entropy bonus, and clipped value loss, as means over actions."""
+    mask = batch["action_mask"]
+    ratio = torch.exp(new_logprobs - batch["old_logprobs"])
+    advantages = batch["advantages"]
+    policy_loss = masked_mean(torch.max(-advantages * ratio,
+                                        -advantages * ratio.clamp(1 - args.clip_range, 1 + args.clip_range)), mask)
+    entropy_mean = masked_mean(entropy, mask)
+    clipped_values = batch["old_values"] + (new_values - batch["old_values"]).clamp(-args.value_clip_range,
+                                                                                    args.value_clip_range)
+    value_loss = 0.5 * masked_mean(torch.max((new_values - batch["returns"]) ** 2,
+                                             (clipped_values - batch["returns"]) ** 2), mask)
+    stats = {"ppo/policy_loss": policy_loss.item(), "ppo/value_loss": value_loss.item(),
+             "ppo/entropy": entropy_mean.item(),
+             "ppo/clip_fraction": masked_mean(((ratio - 1).abs() > args.clip_range).float(), mask).item()}
+    return policy_loss - args.entropy_coef * entropy_mean, value_loss, stats
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------------
+
+def save_checkpoint(folder: Path, step: int, policy, critic, policy_optimizer, critic_optimizer, accelerator):
+    partial = folder.with_name(folder.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    accelerator.unwrap_model(policy).save_pretrained(partial / "policy")
+    torch.save(accelerator.unwrap_model(critic).state_dict(), partial / "critic.pt")
+    torch.save({"step": step, "policy_optimizer": policy_optimizer.state_dict(),
+                "critic_optimizer": critic_optimizer.state_dict(),
+                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}},
+               partial / "state.pt")
+    partial.rename(folder)  # a checkpoint folder appears only once complete
+
+
+def load_checkpoint(folder: Path, policy, critic, policy_optimizer, critic_optimizer) -> int:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    adapter = folder / "policy" / "adapter_model.safetensors"
+    if adapter.is_file():
+        set_peft_model_state_dict(policy, load_file(adapter))
+    else:
+        policy.load_state_dict(AutoModelForCausalLM.from_pretrained(folder / "policy").state_dict())
+    critic.load_state_dict(torch.load(folder / "critic.pt"))
+    state = torch.load(folder / "state.pt", weights_only=False)
+    policy_optimizer.load_state_dict(state["policy_optimizer"])
+    critic_optimizer.load_state_dict(state["critic_optimizer"])
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+    torch.set_rng_state(state["rng"]["torch"])
+    return state["step"]
+
+
+def newest_checkpoint(output_dir: Path) -> Path | None:
+    checkpoints = sorted(output_dir.glob("checkpoint-*[0-9]"), key=lambda p: int(p.name.split("-")[1]))
+    return checkpoints[-1] if checkpoints else None
+
+
+def keep_rows_before(path: Path, step: int) -> None:
+    """Drop JSON lines written for steps >= `step` (they will be played again after a resume)."""
+    if path.is_file():
+        rows = [line for line in path.read_text(encoding="utf-8").splitlines() if json.loads(line)["step"] < step]
+        path.write_text("".join(row + "\n" for row in rows), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+
+def parse_arguments(argv=None):
+    parser = HfArgumentParser((PPOArguments, rollout.DialogueArguments, simulator.SimulatorArguments))
+    args = parser.parse_args_into_dataclasses(argv)
+    if args[0].config:  # YAML first, then the command line on top of it
+        import yaml
+
+        with open(args[0].config, encoding="utf-8") as handle:
+            parser.set_defaults(**yaml.safe_load(handle))
+        args = parser.parse_args_into_dataclasses(argv)
+    return args
+
+
+def main(argv=None) -> None:
+    args, dialogue_args, simulator_args = parse_arguments(argv)
+    if dialogue_args.think and args.output_dir == "runs/ppo-demo":
+        args.output_dir += "-think"  # the two demo runs side by side
+    output_dir = Path(args.output_dir)
+    accelerator = Accelerator(log_with=None if args.report_to == "none" else args.report_to, project_dir=str(output_dir))
+    suffix = "" if accelerator.num_processes == 1 else f".rank{accelerator.process_index}"  # one file per rank
+    transcripts, metrics_file = output_dir / f"transcripts{suffix}.jsonl", output_dir / f"metrics{suffix}.jsonl"
+    if transcripts.exists() and not args.resume:
+        raise SystemExit(f"{output_dir} already holds a run; choose another --output_dir, delete it, or pass --resume")
+    if accelerator.num_processes == 1 and not torch.cuda.is_available():
+        torch.set_num_threads(os.cpu_count() or 1)  # accelerate launch sets OMP_NUM_THREADS=1
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed + accelerator.process_index)
+
+    profiles = simulator.load_profiles(dialogue_args.profiles)
+    tokenizer, policy, critic, reference = load_models(args)
+    policy_optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
+    critic_optimizer = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=args.critic_learning_rate)
+    start_step = 0
+    checkpoint = newest_checkpoint(output_dir) if args.resume else None
+    if checkpoint is not None:
+        start_step = load_checkpoint(checkpoint, policy, critic, policy_optimizer, critic_optimizer)
+        for path in (transcripts, metrics_file):
+            keep_rows_before(path, start_step)
+        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+    policy, critic, policy_optimizer, critic_optimizer = accelerator.prepare(policy, critic, policy_optimizer,
+                                                                             critic_optimizer)
+    if accelerator.is_main_process and args.report_to != "none":
+        accelerator.init_trackers("rlver-ppo", config={**vars(args), **vars(dialogue_args)})
+
+    chat = simulator.make_chat(simulator_args)
+    config = rollout.rollout_config(dialogue_args, simulator_args)
+    runner = rollout.DialogueRunner(tokenizer, config, chat)
+    if chat is not None:
+        runner.loop.run_until_complete(chat.check())
+    openings = runner.openings(profiles)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    generation_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
+                                         eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id)
+    if args.use_vllm and accelerator.num_processes > 1:
+        raise SystemExit("--use_vllm in train_ppo.py supports a single training process")
+    vllm_generator = None
+    if args.use_vllm:
+        vllm_generator = rollout.VLLMServerGenerator(args.vllm_server_host, args.vllm_server_port, args.temperature)
+    order = random.Random(args.seed)
+    profile_order = []
+
+    for step in range(start_step, args.max_steps):
+        started = time.perf_counter()
+        per_step = args.profiles_per_step * accelerator.num_processes  # each rank plays its own profiles
+        while len(profile_order) < (step + 1) * per_step:  # the same order after a resume
+            profile_order += order.sample(profiles, len(profiles))
+        first = step * per_step + accelerator.process_index * args.profiles_per_step
+        chosen = profile_order[first:first + args.profiles_per_step]
+        starts = [(p, openings[p.id]) for p in chosen for _ in range(args.dialogues_per_profile)]
+
+        # 1. Rollout with the current policy.
+        policy.eval()
+        if vllm_generator is not None:
+            vllm_generator.push_weights(accelerator.unwrap_model(policy))
+            generator = vllm_generator
+        else:
+            generator = rollout.TransformersGenerator(accelerator.unwrap_model(policy), tokenizer, generation_config)
+        dialogues = runner.run(starts, generator)
+        policy.train()
+
+        # 2-4. Old log-probs and values, rewards on the last action, GAE over actions.
+        rewards_by_dialogue = [rollout.reward(d.final_emotion, d.format_violations, config.format_penalty)
+                               for d in dialogues]
+        rows, final_rewards = [], []
+        for dialogue, dialogue_reward in zip(dialogues, rewards_by_dialogue):
+            dialogue_rows = per_turn_rows(dialogue) if args.per_turn_rows else [dialogue_row(dialogue)]
+            rows += dialogue_rows
+            final_rewards += [dialogue_reward] * len(dialogue_rows)  # the rows of a dialogue share its reward
+        batch = pad_batch(rows, pad_id)
+        with torch.no_grad():
+            old_logprobs, _ = token_logprobs_and_entropy(policy, batch["input_ids"], batch["attention_mask"], args.temperature)
+            old_values = state_values(critic, batch["input_ids"], batch["attention_mask"]) * batch["action_mask"]
+            ref_logprobs = None
+            if reference is not None:
+                ref_logprobs, _ = token_logprobs_and_entropy(reference, batch["input_ids"], batch["attention_mask"],
+                                                             args.temperature)
+        rewards = place_rewards(batch["action_mask"], final_rewards, old_logprobs, ref_logprobs, args.kl_coef)
+        advantages, returns = masked_gae(rewards, old_values, batch["action_mask"], args.gamma, args.lam)
+        batch.update(old_logprobs=old_logprobs, old_values=old_values, returns=returns,
+                     advantages=whiten(advantages, batch["action_mask"]))
+
+        # 5. PPO epochs over minibatches of dialogues.
+        stats = []
+        for _ in range(args.ppo_epochs):
+            indices = torch.randperm(len(rows)).tolist()
+            for first in range(0, len(indices), args.minibatch_size):
+                pick = indices[first:first + args.minibatch_size]
+                minibatch = {key: value[pick] for key, value in batch.items()}
+                new_logprobs, entropy = token_logprobs_and_entropy(policy, minibatch["input_ids"],
+                                                                   minibatch["attention_mask"], args.temperature)
+                new_values = state_values(critic, minibatch["input_ids"], minibatch["attention_mask"])
+                policy_loss, value_loss, minibatch_stats = ppo_losses(new_logprobs, entropy, new_values, minibatch, args)
+                for loss, model, optimizer in ((policy_loss, policy, policy_optimizer), (value_loss, critic, critic_optimizer)):
+                    optimizer.zero_grad()
+                    accelerator.backward(loss)
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                stats.append(minibatch_stats)
+
+        # Logging, transcripts, checkpoints.
+        metrics = rollout.dialogue_metrics(
+            [d.final_emotion for d in dialogues], [len(d.reply_texts) for d in dialogues],
+            [d.end_reason for d in dialogues], [d.format_violations for d in dialogues],
+            [d.think_tokens for d in dialogues], [d.reply_tokens for d in dialogues],
+            [d.simulator_seconds for d in dialogues], [d.emotions for d in dialogues], config.max_turns)
+        metrics.update({key: sum(s[key] for s in stats) / len(stats) for key in stats[0]})
+        metrics.update({"reward": sum(rewards_by_dialogue) / len(rewards_by_dialogue), "step": step,
+                        "step_time": time.perf_counter() - started})
+        rollout.write_transcripts(transcripts, dialogues, step=step)
+        with metrics_file.open("a", encoding="utf-8") as out:
+            out.write(json.dumps(metrics) + "\n")
+        if accelerator.is_main_process:
+            accelerator.print({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
+                               if not k.startswith("emotion/after")})
+        if args.report_to != "none":
+            accelerator.log(metrics, step=step)
+        if (step + 1) % args.save_steps == 0 and accelerator.is_main_process:
+            save_checkpoint(output_dir / f"checkpoint-{step + 1}", step + 1, policy, critic, policy_optimizer,
+                            critic_optimizer, accelerator)
+
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(policy).save_pretrained(output_dir)
+        torch.save(accelerator.unwrap_model(critic).state_dict(), output_dir / "critic.pt")
+    accelerator.end_training()
+    runner.close()
+
+
+if __name__ == "__main__":
+    main()
