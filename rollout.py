@@ -38,6 +38,7 @@ Generation backends: `TransformersGenerator` (model.generate, CPU or GPU); insid
 import asyncio
 import copy
 import json
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -477,6 +478,13 @@ class DialogueRunner:
             dialogue.end_reason = "token_budget"  # the next user message and a reply would not fit
             return
         dialogue.append(inserted, sampled=False)
+
+
+def use_all_cpu_cores() -> None:
+    """`accelerate launch` sets OMP_NUM_THREADS=1 even for a single CPU process, which halves the
+    demo's speed on 2 cores; one process on a CPU-only machine should use every core."""
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        torch.set_num_threads(os.cpu_count() or 1)
 
 
 # --------------------------------------------------------------------------------------------

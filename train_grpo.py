@@ -74,15 +74,8 @@ def make_emotion_reward(config: rollout.RolloutConfig):
     return emotion_reward
 
 
-def use_all_cpu_cores() -> None:
-    """`accelerate launch` sets OMP_NUM_THREADS=1 even for a single CPU process, which halves the
-    demo's speed on 2 cores; one process on a CPU-only machine should use every core."""
-    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        torch.set_num_threads(os.cpu_count() or 1)
-
-
 def main() -> None:
-    use_all_cpu_cores()
+    rollout.use_all_cpu_cores()
     parser = TrlParser((rollout.DialogueArguments, simulator.SimulatorArguments, GRPOConfig, ModelConfig))
     parser.set_defaults(**DEMO_DEFAULTS)
     dialogue_args, simulator_args, training_args, model_args = parser.parse_args_and_config()

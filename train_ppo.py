@@ -28,7 +28,6 @@ each policy turn a row whose context drops earlier thoughts, all rows sharing th
 reward. Logged metrics and transcripts are those of train_grpo.py, plus ppo/* losses.
 """
 import json
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -306,8 +305,7 @@ def main(argv=None) -> None:
     transcripts, metrics_file = output_dir / f"transcripts{suffix}.jsonl", output_dir / f"metrics{suffix}.jsonl"
     if transcripts.exists() and not args.resume:
         raise SystemExit(f"{output_dir} already holds a run; choose another --output_dir, delete it, or pass --resume")
-    if accelerator.num_processes == 1 and not torch.cuda.is_available():
-        torch.set_num_threads(os.cpu_count() or 1)  # accelerate launch sets OMP_NUM_THREADS=1
+    rollout.use_all_cpu_cores()
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed + accelerator.process_index)
