@@ -537,6 +537,14 @@ def dialogue_metrics(final_emotion, turns, end_reason, format_violations, think_
     return metrics
 
 
+def dialogues_metrics(dialogues: list[Dialogue], max_turns: int) -> dict[str, float]:
+    """`dialogue_metrics` for dialogues in hand (the per-row fields come from `rollout_output`)."""
+    fields = rollout_output(dialogues, with_logprobs=False)
+    names = ("final_emotion", "turns", "end_reason", "format_violations", "think_tokens", "reply_tokens",
+             "simulator_seconds", "emotions")
+    return dialogue_metrics(**{name: fields[name] for name in names}, max_turns=max_turns)
+
+
 def write_transcripts(path, dialogues: list[Dialogue], step: int | None = None) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

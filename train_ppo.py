@@ -402,11 +402,7 @@ def main(argv=None) -> None:
                 stats.append(minibatch_stats)
 
         # Logging, transcripts, checkpoints.
-        metrics = rollout.dialogue_metrics(
-            [d.final_emotion for d in dialogues], [len(d.reply_texts) for d in dialogues],
-            [d.end_reason for d in dialogues], [d.format_violations for d in dialogues],
-            [d.think_tokens for d in dialogues], [d.reply_tokens for d in dialogues],
-            [d.simulator_seconds for d in dialogues], [d.emotions for d in dialogues], config.max_turns)
+        metrics = rollout.dialogues_metrics(dialogues, config.max_turns)
         metrics.update({key: sum(s[key] for s in stats) / len(stats) for key in stats[0]})
         metrics.update({"reward": sum(rewards_by_dialogue) / len(rewards_by_dialogue), "step": step,
                         "step_time": time.perf_counter() - started})
