@@ -55,12 +55,18 @@ class PPOArguments:
     lora_r: int = 16
     lora_alpha: int = 32
     learning_rate: float = field(default=1e-3, metadata={"help": "policy lr (paper: 1e-6; LoRA demo: 1e-3)"})
-    critic_learning_rate: float = field(default=1e-3, metadata={"help": "critic lr (paper: 5e-6)"})
-    profiles_per_step: int = field(default=2, metadata={"help": "profiles per step"})
-    dialogues_per_profile: int = field(default=4, metadata={"help": "dialogues per profile (2 x 4 = 8 per step; paper: 32)"})
+    # The paper's critic lr, also in the demo: a faster critic is noise there. Its value head on 576
+    # hidden units moved values by ~0.3 per step at 1e-3 and ~0.015 at 3e-5, varying from token to
+    # token by more than the rewards of one profile's dialogues differ (explained variance -0.6 to
+    # -2.6), and the advantages carried that noise. In 30 steps it cannot learn which profile is easy.
+    critic_learning_rate: float = field(default=5e-6, metadata={"help": "critic lr (paper: 5e-6)"})
+    # One profile per step: in 30 steps the critic cannot learn which profiles are easy, so the batch
+    # whitening is the baseline, and with one profile it compares dialogues of the same user, as GRPO does.
+    profiles_per_step: int = field(default=1, metadata={"help": "profiles per step"})
+    dialogues_per_profile: int = field(default=8, metadata={"help": "dialogues per profile (1 x 8 = 8 per step; paper: 32 x 1)"})
     max_steps: int = field(default=30, metadata={"help": "PPO steps (paper: 1000)"})
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch (paper: 1)"})
-    minibatch_size: int = field(default=8, metadata={"help": "rows per optimizer step (demo: the whole batch)"})
+    minibatch_size: int = field(default=4, metadata={"help": "rows per optimizer step (demo: 2 updates per batch)"})
     gamma: float = field(default=1.0, metadata={"help": "discount (paper: 1)"})
     lam: float = field(default=1.0, metadata={"help": "GAE lambda (paper: 1)"})
     clip_range: float = field(default=0.2, metadata={"help": "policy ratio clip (paper: 0.2)"})
@@ -159,13 +165,16 @@ def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "action_mask": action_mask}
 
 
-def token_logprobs_and_entropy(model, input_ids, attention_mask, temperature: float):
-    """Log-prob of each token given the tokens before it (position 0 gets 0), and the entropy there."""
+def token_logprobs(model, input_ids, attention_mask, temperature: float, with_entropy: bool = False):
+    """Log-prob of each token given the tokens before it (position 0 gets 0), and with `with_entropy`
+    the entropy there (else None: over a 49k vocabulary it costs as much as the log-probs)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
     logprobs = torch.log_softmax(logits, dim=-1)
     chosen = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logprobs.exp() * logprobs).sum(-1)
     pad = torch.zeros_like(chosen[:, :1])
+    if not with_entropy:
+        return torch.cat([pad, chosen], dim=1), None
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
     return torch.cat([pad, chosen], dim=1), torch.cat([pad, entropy], dim=1)
 
 
@@ -372,11 +381,11 @@ def main(argv=None) -> None:
             final_rewards += [dialogue_reward] * len(dialogue_rows)  # the rows of a dialogue share its reward
         batch = pad_batch(rows, pad_id)
         with torch.no_grad():
-            old_logprobs, _ = token_logprobs_and_entropy(policy, batch["input_ids"], batch["attention_mask"], args.temperature)
+            old_logprobs, _ = token_logprobs(policy, batch["input_ids"], batch["attention_mask"], args.temperature)
             old_values = state_values(critic, batch["input_ids"], batch["attention_mask"]) * batch["action_mask"]
             ref_logprobs = None
             if reference is not None:
-                ref_logprobs, _ = token_logprobs_and_entropy(reference, batch["input_ids"], batch["attention_mask"],
+                ref_logprobs, _ = token_logprobs(reference, batch["input_ids"], batch["attention_mask"],
                                                              args.temperature)
         rewards = place_rewards(batch["action_mask"], final_rewards, old_logprobs, ref_logprobs, args.kl_coef)
         advantages, returns = masked_gae(rewards, old_values, batch["action_mask"], args.gamma, args.lam)
@@ -390,8 +399,8 @@ def main(argv=None) -> None:
             for first in range(0, len(indices), args.minibatch_size):
                 pick = indices[first:first + args.minibatch_size]
                 minibatch = {key: value[pick] for key, value in batch.items()}
-                new_logprobs, entropy = token_logprobs_and_entropy(policy, minibatch["input_ids"],
-                                                                   minibatch["attention_mask"], args.temperature)
+                new_logprobs, entropy = token_logprobs(policy, minibatch["input_ids"], minibatch["attention_mask"],
+                                                       args.temperature, with_entropy=True)
                 new_values = state_values(critic, minibatch["input_ids"], minibatch["attention_mask"])
                 policy_loss, value_loss, minibatch_stats = ppo_losses(new_logprobs, entropy, new_values, minibatch, args)
                 for loss, model, optimizer in ((policy_loss, policy, policy_optimizer), (value_loss, critic, critic_optimizer)):
@@ -404,6 +413,11 @@ def main(argv=None) -> None:
         # Logging, transcripts, checkpoints.
         metrics = rollout.dialogues_metrics(dialogues, config.max_turns)
         metrics.update({key: sum(s[key] for s in stats) / len(stats) for key in stats[0]})
+        mask = batch["action_mask"]
+        unexplained = masked_mean((returns - old_values - masked_mean(returns - old_values, mask)) ** 2, mask)
+        spread = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+        metrics.update({"ppo/value_mean": masked_mean(old_values, mask).item(),
+                        "ppo/explained_variance": (1 - unexplained / spread.clamp(min=1e-8)).item()})
         metrics.update({"reward": sum(rewards_by_dialogue) / len(rewards_by_dialogue), "step": step,
                         "step_time": time.perf_counter() - started})
         rollout.write_transcripts(transcripts, dialogues, step=step)

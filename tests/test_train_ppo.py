@@ -72,7 +72,8 @@ def test_masked_tokens_contribute_nothing_to_either_loss():
 def run_ppo(tiny_model_dir, output_dir, *flags, launcher=(sys.executable,)):
     command = list(launcher) + [str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
                                 "--output_dir", str(output_dir), "--max_turns", "2", "--max_think_tokens", "4",
-                                "--max_reply_tokens", "6", "--dialogues_per_profile", "2", *flags]
+                                "--max_reply_tokens", "6", "--profiles_per_step", "2", "--dialogues_per_profile", "2",
+                                *flags]
     finished = subprocess.run(command, cwd=output_dir.parent, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-3000:]
     transcripts = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
@@ -90,7 +91,7 @@ def test_a_two_step_run_completes_and_writes_transcripts_and_metrics(tiny_model_
     assert all(any(t for t in row["think_texts"]) == think for row in transcripts)
     assert [m["step"] for m in metrics] == [0, 1]
     for name in ("reward", "emotion/final_mean", "format/violation_rate", "ppo/policy_loss", "ppo/value_loss",
-                 "ppo/entropy", "dialogue/ended_turn_limit"):
+                 "ppo/entropy", "ppo/explained_variance", "dialogue/ended_turn_limit"):
         assert name in metrics[0]
     assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
 
