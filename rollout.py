@@ -33,7 +33,8 @@ and a minimal turn ends with reason "token_budget".
 
 Generation backends: `TransformersGenerator` (model.generate, CPU or GPU); inside TRL training with
 `use_vllm`, `VLLMGenerator` over `trainer.vllm_generation`; elsewhere (train_ppo.py),
-`VLLMServerGenerator` over `trl vllm-serve`. The vLLM ones are untested here (no vLLM on CPU).
+`VLLMServerGenerator` over `trl vllm-serve`; for evaluation, `VLLMEngineGenerator` (an in-process
+engine). The vLLM ones are untested here (no vLLM on CPU).
 """
 import asyncio
 import copy
@@ -67,6 +68,7 @@ class RolloutConfig:
     variant: str = "vanilla"
     change_bound: int = simulator.CHANGE_BOUND
     language: str | None = None  # simulator prompt language; default: the profile's
+    policy_prompt: str = "policy"  # the policy's system prompt: prompts/<language>/<name>[_think].txt
 
 
 @dataclass
@@ -101,8 +103,8 @@ def rollout_config(dialogue_args: DialogueArguments, simulator_args: simulator.S
 # The policy's side: system prompt, think parsing, chat-template pieces
 # --------------------------------------------------------------------------------------------
 
-def policy_system_prompt(language: str, think: bool) -> str:
-    path = PROMPTS_DIR / language / ("policy_think.txt" if think else "policy.txt")
+def policy_system_prompt(language: str, think: bool, name: str = "policy") -> str:
+    path = PROMPTS_DIR / language / (f"{name}_think.txt" if think else f"{name}.txt")
     return path.read_text(encoding="utf-8").strip()
 
 
@@ -269,6 +271,29 @@ class VLLMServerGenerator:
         return sampled, logprobs
 
 
+class VLLMEngineGenerator:
+    """Sampling with an in-process vLLM engine, outside any trainer (eval_sentient.py --use_vllm).
+    Untested here (no vLLM on CPU)."""
+
+    def __init__(self, model: str, temperature: float, seed: int):
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise SystemExit("--use_vllm needs vLLM on a GPU machine: pip install -r requirements-gpu.txt") from None
+        self.llm = LLM(model=model, seed=seed)
+        self.temperature = temperature
+
+    def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
+        from vllm import SamplingParams, TokensPrompt
+
+        if not contexts:
+            return [], None
+        params = [SamplingParams(temperature=self.temperature, max_tokens=limit, stop=[stop] if stop else None,
+                                 include_stop_str_in_output=True) for limit in max_new_tokens]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=c) for c in contexts], params, use_tqdm=False)
+        return [list(output.outputs[0].token_ids) for output in outputs], None
+
+
 @contextmanager
 def trainer_generator(trainer):
     """The generator to use inside a TRL trainer: vLLM if enabled, else the unwrapped model."""
@@ -328,14 +353,7 @@ class Dialogue:
 
     def transcript(self, step: int | None = None) -> dict:
         """A benchmark result row (SAGE format) plus training fields."""
-        history = [dict(message) for message in self.simulator.history]
-        replies = [m for m in history if m["role"] == "assistant"]
-        for message, thought in zip(replies, self.think_texts):
-            if thought:
-                message["think"] = thought
-        return {**self.profile.to_row(), "emo_point": self.final_emotion,
-                "emo_state": simulator.emotion_state(self.final_emotion), "history": history,
-                "step": step, "dialogue_id": self.dialogue_id, "end_reason": self.end_reason,
+        return {**self.simulator.result_row(self.think_texts), "step": step, "dialogue_id": self.dialogue_id, "end_reason": self.end_reason,
                 "turns": len(self.reply_texts), "think_texts": self.think_texts,
                 "format_violations": self.format_violations}
 
@@ -385,7 +403,7 @@ class DialogueRunner:
             sim = self.new_simulator(profile)
             await sim.open(opening)
             language = c.language or profile.language
-            prompt_ids = self.segments.prompt_ids(policy_system_prompt(language, c.think), opening)
+            prompt_ids = self.segments.prompt_ids(policy_system_prompt(language, c.think, c.policy_prompt), opening)
             if len(prompt_ids) + self.min_turn_tokens > c.max_dialogue_tokens:
                 raise ValueError(f"profile {profile.id}: the prompt alone takes {len(prompt_ids)} tokens, more than "
                                  f"max_dialogue_tokens={c.max_dialogue_tokens} allows")

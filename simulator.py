@@ -70,7 +70,9 @@ DEFAULT_BENCHMARK_PROFILES = REPO_DIR / "profiles" / "benchmark.jsonl"
 TRAIN_START_EMOTION = 30  # training dialogues start here (paper)
 BENCHMARK_START_EMOTION = 40  # Sentient benchmark dialogues start here (SAGE)
 TRAIN_MAX_TURNS = 8  # policy turns per training dialogue (paper)
-BENCHMARK_MAX_TURNS = 10  # policy turns per benchmark dialogue (SAGE)
+# Scored policy replies per benchmark dialogue. SAGE's loop runs 10 turns, the user's opening being
+# the first, so it scores 9 replies; the 10th reply it asks for is never judged, so we do not ask.
+BENCHMARK_MAX_TURNS = 9
 CHANGE_BOUND = 10  # |change| per turn; the benchmark's bound, also used in training (see docstring)
 MAX_EMOTION = 100
 # State labels by lower threshold, highest first: S thanks and leaves, F leaves.
@@ -131,8 +133,8 @@ PERSONALITIES = {
     "passive": ("passive", "被动型"),
     "avoidant": ("avoidant", "回避型"),
 }
-_INTENTION_BY_TEXT = {text: key for key, texts in INTENTIONS.items() for text in texts}
-_PERSONALITY_BY_TEXT = {text: key for key, texts in PERSONALITIES.items() for text in texts}
+INTENTION_BY_TEXT = {text: key for key, texts in INTENTIONS.items() for text in texts}
+PERSONALITY_BY_TEXT = {text: key for key, texts in PERSONALITIES.items() for text in texts}
 
 
 class ProfileError(ValueError):
@@ -176,12 +178,12 @@ def parse_profile(row, where="profile") -> Profile:
         raise ProfileError(f"{where}: a profile must be a JSON object, got {type(row).__name__}")
     for name in ("id", "player", "scene", "main_cha", "task"):
         _check_text(row, name, where)
-    if row["task"] not in _INTENTION_BY_TEXT:
+    if row["task"] not in INTENTION_BY_TEXT:
         known = "; ".join(texts[0] for texts in INTENTIONS.values())
         raise ProfileError(f"{where}: field 'task' is not one of the 8 hidden intentions "
                            f"(English or official Chinese text), got {row['task']!r:.80}. Known: {known}")
-    if row["main_cha"] not in _PERSONALITY_BY_TEXT:
-        raise ProfileError(f"{where}: field 'main_cha' must be one of {sorted(_PERSONALITY_BY_TEXT)}, "
+    if row["main_cha"] not in PERSONALITY_BY_TEXT:
+        raise ProfileError(f"{where}: field 'main_cha' must be one of {sorted(PERSONALITY_BY_TEXT)}, "
                            f"got {row['main_cha']!r}")
     traits = row.get("cha_group")
     if not (isinstance(traits, list) and len(traits) == 3
@@ -193,8 +195,8 @@ def parse_profile(row, where="profile") -> Profile:
     return Profile(
         id=row["id"], player=row["player"], scene=row["scene"], main_cha=row["main_cha"],
         cha_group=tuple(traits), task=row["task"], first_talk=first_talk,
-        intention=_INTENTION_BY_TEXT[row["task"]], personality=_PERSONALITY_BY_TEXT[row["main_cha"]],
-        language="zh" if row["task"] == INTENTIONS[_INTENTION_BY_TEXT[row["task"]]][1] else "en",
+        intention=INTENTION_BY_TEXT[row["task"]], personality=PERSONALITY_BY_TEXT[row["main_cha"]],
+        language="zh" if row["task"] == INTENTIONS[INTENTION_BY_TEXT[row["task"]]][1] else "en",
     )
 
 
@@ -332,6 +334,17 @@ class Simulator:
         return UserTurn(message=message, emotion=self.emotion, change=change, reasoning=reasoning,
                         done=self.done, end_reason=end_reason, raw_change=raw_change)
 
+    def result_row(self, think_texts=()) -> dict:
+        """The dialogue as a Sentient benchmark result row (SAGE format): the profile's fields, the final
+        `emo_point` and `emo_state`, and `history`, the policy's thinking (if any) beside its replies."""
+        history = [dict(message) for message in self.history]
+        replies = [message for message in history if message["role"] == "assistant"]
+        for message, thought in zip(replies, think_texts):
+            if thought:
+                message["think"] = thought
+        return {**self.profile.to_row(), "emo_point": self.emotion, "emo_state": f"Emotion-{self.state}",
+                "history": history}
+
     async def _opening(self) -> str:
         raise NotImplementedError
 
@@ -393,14 +406,14 @@ class ChatClient:
 
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
                  temperature: float = 0.7, max_tokens: int = 512, timeout: float = 120.0,
-                 max_retries: int = 3):
+                 max_retries: int = 3, role: str = "simulator"):
         from openai import AsyncOpenAI  # imported here so the rule backend needs no openai
 
         # Local servers (vLLM) accept any key; commercial APIs need the named variable set.
         api_key = os.environ.get(api_key_env) or "EMPTY"
         # The SDK retries connection errors, timeouts, 429 and 5xx with backoff, at most max_retries times.
         self.client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
-        self.base_url, self.model = base_url, model
+        self.base_url, self.model, self.role = base_url, model, role  # role names the endpoint in errors
         self.temperature, self.max_tokens = temperature, max_tokens
 
     async def check(self) -> None:
@@ -410,25 +423,26 @@ class ChatClient:
         try:
             models = [m.id async for m in self.client.models.list()]
         except openai.APIConnectionError as error:
-            raise SimulatorError(f"cannot reach the simulator endpoint {self.base_url} ({error}); "
-                                 "check --base-url and that the server is running") from None
+            raise SimulatorError(f"cannot reach the {self.role} endpoint {self.base_url} ({error}); "
+                                 "check the base URL and that the server is running") from None
         except openai.AuthenticationError:
-            raise SimulatorError(f"the simulator endpoint {self.base_url} refused the API key; "
-                                 "check the variable named by --api-key-env") from None
+            raise SimulatorError(f"the {self.role} endpoint {self.base_url} refused the API key; "
+                                 "check the variable named by the api_key_env option") from None
         except openai.APIStatusError as error:
-            raise SimulatorError(f"the simulator endpoint {self.base_url} answered {error.status_code} "
+            raise SimulatorError(f"the {self.role} endpoint {self.base_url} answered {error.status_code} "
                                  f"to a model listing: {error.message}") from None
         if models and self.model not in models:
             raise SimulatorError(f"model {self.model!r} is not served at {self.base_url}; it serves {models}")
 
-    async def complete(self, messages: list[dict]) -> str:
+    async def complete(self, messages: list[dict], seed: int | None = None) -> str:
         import openai
 
         try:
             response = await self.client.chat.completions.create(
-                model=self.model, messages=messages, temperature=self.temperature, max_tokens=self.max_tokens)
+                model=self.model, messages=messages, temperature=self.temperature, max_tokens=self.max_tokens,
+                **({"seed": seed} if seed is not None else {}))
         except openai.APIError as error:
-            raise SimulatorError(f"simulator endpoint {self.base_url} failed after retries: {error}") from None
+            raise SimulatorError(f"{self.role} endpoint {self.base_url} failed after retries: {error}") from None
         if not response.choices:
             return ""
         return response.choices[0].message.content or ""
