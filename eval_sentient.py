@@ -1,0 +1,354 @@
+"""The Sentient benchmark (SAGE): a model talks with simulated users; the score is their mean final emotion.
+
+    python eval_sentient.py                                     # offline: packaged SmolLM2 vs the rule user
+    python eval_sentient.py --model runs/grpo-demo --think      # a trained checkpoint (LoRA folder or full)
+    python eval_sentient.py --model gpt-4.1 --model_base_url https://api.openai.com/v1 \\
+        --profiles ../shared/data/rlver/test_profile.jsonl --backend llm --base_url http://localhost:8001/v1 \\
+        --simulator_model deepseek-v3
+    python eval_sentient.py --rescore results/*.jsonl           # leaderboard from result files, no model
+
+Protocol (SAGE, `test_npc.py` of the benchmark's release): each scenario starts from the profile's
+`first_talk` at emotion 40; the simulated user judges each reply (change bounded to [-10, +10],
+score capped at 100) and answers; the dialogue ends on a goodbye, at emotion >= 100 or < 10, or
+after 9 judged replies (SAGE's loop runs 10 turns, the opening being the first, and never judges
+the 10th reply it asks for). The tested model answers under a short fixed system prompt
+(`prompts/<lang>/sentient[_think].txt`, SAGE's own prompt in Chinese) and, in think mode, only the
+text after `</think>` reaches the simulated user.
+
+Output: one result row per scenario in SAGE's format (profile fields, `emo_point`, `emo_state`,
+`history` whose user messages carry `emotion-point` and the simulator's reasoning), appended as
+scenarios finish, so our files and the official published ones are read the same way; a rerun of
+the same command skips finished scenarios. The summary (also written as `<output>.summary.json`):
+score = mean final emotion with a bootstrap 95% interval, success = share ending at 100, failure =
+share ending below 10, mean judged replies, and the same by hidden intention and personality type.
+
+Models: a local folder or hub id through transformers (batched; a PEFT adapter folder is loaded on
+its base model), `--use_vllm` for an in-process vLLM engine (untested here), or any
+OpenAI-compatible endpoint with `--model_base_url`. Differences from SAGE: a local model keeps its
+own earlier thoughts in its context (as in training; SAGE shows an API model only the replies), and
+a goodbye must be in the user's last sentence, where SAGE matches 再见/拜拜 anywhere in the message.
+"""
+import asyncio
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import rollout
+import simulator
+
+STATES = ("S", "A", "B", "C", "F")
+
+
+@dataclass
+class EvalArguments:
+    """What to test and how; defaults are the offline run (packaged SmolLM2, our English scenarios)."""
+
+    model: str = field(default=simulator.PACKAGED_MODEL, metadata={
+        "help": "local folder, hub id, or the model name served at --model_base_url"})
+    model_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible endpoint of the tested model"})
+    model_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "variable holding its API key"})
+    use_vllm: bool = field(default=False, metadata={"help": "generate with an in-process vLLM engine (GPU; untested here)"})
+    think: bool = field(default=False, metadata={"help": "think-then-say: <think>...</think>, hidden from the user"})
+    profiles: str = field(default=str(simulator.DEFAULT_BENCHMARK_PROFILES), metadata={
+        "help": "benchmark scenarios with first_talk (the official 100: ../shared/data/rlver/test_profile.jsonl)"})
+    output: str | None = field(default=None, metadata={"help": "result rows (JSON Lines); default runs/sentient/<model>.jsonl"})
+    limit: int | None = field(default=None, metadata={"help": "only the first N scenarios"})
+    max_reply_tokens: int = field(default=64, metadata={"help": "reply tokens per turn (offline default; GPU: 1024)"})
+    max_think_tokens: int = field(default=64, metadata={"help": "thinking tokens per turn, think mode (GPU: 2048)"})
+    max_dialogue_tokens: int = field(default=4096, metadata={"help": "prompt + completion tokens per dialogue (local models)"})
+    temperature: float = field(default=0.7, metadata={"help": "sampling temperature of the tested model"})
+    seed: int = field(default=0, metadata={"help": "sampling seed: the same seed and simulator outputs give the same rows"})
+    batch_size: int = field(default=16, metadata={"help": "scenarios played at once (local models; endpoints: at once in flight)"})
+    rescore: list[str] = field(default_factory=list, metadata={
+        "help": "result files to summarise (ours or official), printed as a leaderboard; no model is loaded"})
+    bootstrap_samples: int = field(default=10000, metadata={"help": "resamples for the score's 95% interval"})
+
+
+# --------------------------------------------------------------------------------------------
+# Result files and metrics
+# --------------------------------------------------------------------------------------------
+
+class ResultFileError(ValueError):
+    """A result row that does not follow SAGE's format."""
+
+
+def read_results(path) -> list[dict]:
+    """Result rows, checked: each needs an `id`, an integer `emo_point` within 0-100 and a `history` list."""
+    rows, seen = [], set()
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ResultFileError(f"{where}: not valid JSON ({error.msg})") from None
+            if not isinstance(row, dict):
+                raise ResultFileError(f"{where}: a result row must be a JSON object")
+            point = row.get("emo_point")
+            if isinstance(point, bool) or not isinstance(point, (int, float)) or not 0 <= point <= simulator.MAX_EMOTION:
+                raise ResultFileError(f"{where}: field 'emo_point' must be a number within 0-100, got {point!r}")
+            if not isinstance(row.get("id"), str) or not isinstance(row.get("history"), list):
+                raise ResultFileError(f"{where}: a result row needs a string 'id' and a 'history' list")
+            if row["id"] in seen:
+                raise ResultFileError(f"{where}: scenario {row['id']!r} appears twice")
+            seen.add(row["id"])
+            rows.append(row)
+    if not rows:
+        raise ResultFileError(f"{path}: no result rows")
+    return rows
+
+
+def judged_replies(row: dict) -> int:
+    """Replies the simulated user judged: its messages after the opening (SAGE's unjudged 10th reply is not one)."""
+    return sum(message.get("role") == "user" for message in row["history"]) - 1
+
+
+def bootstrap_interval(values, samples: int, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap 95% interval of the mean."""
+    values = np.asarray(values, dtype=float)
+    means = np.random.default_rng(seed).choice(values, size=(samples, len(values))).mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def group_figures(rows: list[dict]) -> dict:
+    points = [row["emo_point"] for row in rows]
+    return {"n": len(rows), "score": sum(points) / len(points),
+            "success": sum(p >= simulator.FAREWELL_AT for p in points),
+            "failure": sum(p < simulator.GIVE_UP_BELOW for p in points)}
+
+
+def summarize(rows: list[dict], bootstrap_samples: int = 10000) -> dict:
+    """Score (mean final emotion), success and failure (counts and % of scenarios), mean judged replies,
+    final states, and the same figures by hidden intention and by personality type."""
+    figures = group_figures(rows)
+    n = figures["n"]
+    low, high = bootstrap_interval([row["emo_point"] for row in rows], bootstrap_samples)
+    states = [simulator.emotion_state(row["emo_point"]) for row in rows]
+    summary = {**figures, "score_ci95": [low, high], "success_rate": 100 * figures["success"] / n,
+               "failure_rate": 100 * figures["failure"] / n,
+               "mean_turns": sum(judged_replies(row) for row in rows) / n,
+               "states": {state: states.count(state) for state in STATES}}
+    for name, key in (("by_intention", intention_of), ("by_personality", personality_of)):
+        groups = {}
+        for row in rows:
+            groups.setdefault(key(row), []).append(row)
+        summary[name] = {label: group_figures(group) for label, group in sorted(groups.items())}
+    return summary
+
+
+def intention_of(row: dict) -> str:
+    """Our key for the row's hidden intention (official Chinese or our English text), else the text itself."""
+    task = str(row.get("task", "")).strip()
+    return simulator.INTENTION_BY_TEXT.get(task, task or "unknown")
+
+
+def personality_of(row: dict) -> str:
+    kind = str(row.get("main_cha", row.get("character", ""))).strip()  # official result rows say "character"
+    return simulator.PERSONALITY_BY_TEXT.get(kind, kind or "unknown")
+
+
+def format_summary(summary: dict, title: str) -> str:
+    low, high = summary["score_ci95"]
+    lines = [title,
+             f"  score {summary['score']:.1f}  (95% CI {low:.1f} to {high:.1f}; exact mean {summary['score']:.2f})",
+             f"  success {summary['success_rate']:.1f}% ({summary['success']}/{summary['n']})   "
+             f"failure {summary['failure_rate']:.1f}% ({summary['failure']}/{summary['n']})   "
+             f"mean judged replies {summary['mean_turns']:.2f}",
+             "  final states " + "  ".join(f"{state} {count}" for state, count in summary["states"].items())]
+    for name, heading in (("by_intention", "hidden intention"), ("by_personality", "personality type")):
+        lines.append(f"  {heading:<22} {'n':>3} {'score':>6} {'success':>8} {'failure':>8}")
+        for label, group in summary[name].items():
+            lines.append(f"    {label[:20]:<20} {group['n']:>3} {group['score']:>6.1f} {group['success']:>8} {group['failure']:>8}")
+    return "\n".join(lines)
+
+
+def leaderboard(paths: list[str], bootstrap_samples: int = 10000) -> str:
+    """One line per result file, best score first: the published leaderboard's columns plus ours."""
+    entries = [(Path(path).name, summarize(read_results(path), bootstrap_samples)) for path in paths]
+    entries.sort(key=lambda entry: -entry[1]["score"])
+    width = max(len(name) for name, _ in entries)
+    lines = [f"{'rank':>4}  {'results':<{width}}  {'n':>3}  {'score':>5}  {'95% CI':>11}  {'success':>7}  "
+             f"{'failure':>7}  {'turns':>5}"]
+    for rank, (name, s) in enumerate(entries, start=1):
+        low, high = s["score_ci95"]
+        lines.append(f"{rank:>4}  {name:<{width}}  {s['n']:>3}  {s['score']:>5.1f}  {low:>5.1f}-{high:<5.1f}  "
+                     f"{s['success']:>7}  {s['failure']:>7}  {s['mean_turns']:>5.2f}")
+    lines.append("success / failure: scenarios ending at 100 / below 10 (counts; per cent when n = 100)")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Playing the benchmark
+# --------------------------------------------------------------------------------------------
+
+def default_output(args: EvalArguments) -> Path:
+    name = Path(args.model.rstrip("/")).name or "model"
+    return Path("runs") / "sentient" / f"{name}{'-think' if args.think else ''}.jsonl"
+
+
+def finished_ids(path: Path) -> set[str]:
+    return {row["id"] for row in read_results(path)} if path.is_file() and path.stat().st_size else set()
+
+
+def append_rows(path: Path, rows: list[dict]) -> None:
+    with path.open("a", encoding="utf-8") as out:
+        for row in rows:
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def new_simulator(profile, chat, simulator_args) -> simulator.Simulator:
+    return simulator.make_simulator(profile, chat, variant=simulator_args.variant, change_bound=simulator_args.change_bound,
+                                    language=simulator_args.language, start_emotion=simulator.BENCHMARK_START_EMOTION,
+                                    max_turns=simulator.BENCHMARK_MAX_TURNS)
+
+
+def load_local_model(name_or_path: str):
+    """A causal LM and its tokenizer; a PEFT adapter folder (as training writes) on its base model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(name_or_path)
+    if (path / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        base = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+        base_path = simulator.resolve_model(base)
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), path).merge_and_unload()
+        return model, AutoTokenizer.from_pretrained(base_path)
+    resolved = simulator.resolve_model(name_or_path)
+    return AutoModelForCausalLM.from_pretrained(resolved), AutoTokenizer.from_pretrained(resolved)
+
+
+def play_local(args, simulator_args, chat, profiles, output: Path, progress) -> None:
+    """Batches of scenarios in lockstep through rollout.py. Batches are cut from the full scenario list
+    and each is seeded by its index, so a resumed run plays what the uninterrupted run would have."""
+    import torch
+    from transformers import GenerationConfig
+
+    model, tokenizer = load_local_model(args.model)
+    model.eval()
+    if torch.cuda.is_available():
+        model.to("cuda")
+    rollout.use_all_cpu_cores()
+    config = rollout.RolloutConfig(
+        think=args.think, max_turns=simulator.BENCHMARK_MAX_TURNS, max_think_tokens=args.max_think_tokens,
+        max_reply_tokens=args.max_reply_tokens, max_dialogue_tokens=args.max_dialogue_tokens,
+        simulator_concurrency=args.batch_size, start_emotion=simulator.BENCHMARK_START_EMOTION,
+        variant=simulator_args.variant, change_bound=simulator_args.change_bound, language=simulator_args.language,
+        policy_prompt="sentient")
+    runner = rollout.DialogueRunner(tokenizer, config, chat)
+    if chat is not None:
+        runner.loop.run_until_complete(chat.check())  # on the loop that will use its connections
+    if args.use_vllm:
+        generate = rollout.VLLMEngineGenerator(args.model, args.temperature, args.seed)
+    else:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        generate = rollout.TransformersGenerator(model, tokenizer, GenerationConfig(
+            do_sample=args.temperature > 0, temperature=args.temperature or None, top_k=0, top_p=1.0,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id))
+    done = finished_ids(output)
+    try:
+        for index in range(0, len(profiles), args.batch_size):
+            batch = [p for p in profiles[index:index + args.batch_size] if p.id not in done]
+            if not batch:
+                continue
+            torch.manual_seed(args.seed + index)
+            dialogues = runner.run([(p, p.first_talk) for p in batch], generate)
+            rows = [d.simulator.result_row(d.think_texts) for d in dialogues]
+            append_rows(output, rows)
+            progress(rows)
+    finally:
+        runner.close()
+
+
+async def play_endpoint(args, simulator_args, chat, profiles, output: Path, progress) -> None:
+    """Scenarios concurrently (at most batch_size at once) against an OpenAI-compatible endpoint; the
+    model sees the system prompt and the dialogue's messages, never its own earlier thinking."""
+    client = simulator.ChatClient(args.model_base_url, args.model, args.model_api_key_env,
+                                  temperature=args.temperature,
+                                  max_tokens=args.max_reply_tokens + (args.max_think_tokens if args.think else 0),
+                                  role="tested-model")
+    await client.check()
+    if chat is not None:
+        await chat.check()
+    gate = asyncio.Semaphore(args.batch_size)
+    done = finished_ids(output)
+
+    async def play(index, profile):
+        async with gate:
+            user = new_simulator(profile, chat, simulator_args)
+            system = rollout.policy_system_prompt(simulator_args.language or profile.language, args.think, "sentient")
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": await user.open()}]
+            thoughts = []
+            while not user.done:
+                raw = await client.complete(messages, seed=args.seed + index)
+                thought, reply, _ = rollout.split_think(raw, args.think)
+                thoughts.append(thought)
+                turn = await user.respond(reply)
+                messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": turn.message}]
+            row = user.result_row(thoughts)
+        append_rows(output, [row])  # one event loop thread: appends never interleave
+        progress([row])
+
+    await asyncio.gather(*(play(i, p) for i, p in enumerate(profiles) if p.id not in done))
+
+
+def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) -> dict:
+    """Play every unfinished scenario, then summarise the output file."""
+    from tqdm import tqdm
+
+    profiles = simulator.load_profiles(args.profiles, require_first_talk=True)[:args.limit]
+    output = Path(args.output) if args.output else default_output(args)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = finished_ids(output)
+    unknown = done - {p.id for p in profiles}
+    if unknown:
+        raise SystemExit(f"{output} holds results for scenarios not in {args.profiles} (e.g. {sorted(unknown)[0]}); "
+                         "choose another --output")
+    if len(done) < len(profiles):
+        chat = simulator.make_chat(simulator_args)
+        bar = tqdm(total=len(profiles), initial=len(done), desc="scenarios", unit="dialogue")
+        points = []
+
+        def progress(rows):
+            points.extend(row["emo_point"] for row in rows)
+            bar.update(len(rows))
+            bar.set_postfix(mean_emotion=f"{sum(points) / len(points):.1f}")
+
+        if args.model_base_url:
+            asyncio.run(play_endpoint(args, simulator_args, chat, profiles, output, progress))
+        else:
+            play_local(args, simulator_args, chat, profiles, output, progress)
+        bar.close()
+    summary = summarize(read_results(output), args.bootstrap_samples)
+    summary.update(results=str(output), model=args.model, think=args.think, simulator=simulator_args.backend,
+                   simulator_model=simulator_args.simulator_model if simulator_args.backend != "rule" else None)
+    output.with_suffix(".summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    return summary
+
+
+def main(argv=None) -> None:
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser((EvalArguments, simulator.SimulatorArguments), description=__doc__.split("\n")[0])
+    args, simulator_args = parser.parse_args_into_dataclasses(argv)
+    try:
+        if args.rescore:
+            print(leaderboard(args.rescore, args.bootstrap_samples))
+            for path in args.rescore:
+                print()
+                print(format_summary(summarize(read_results(path), args.bootstrap_samples), path))
+            return
+        summary = evaluate(args, simulator_args)
+    except (ResultFileError, simulator.ProfileError, simulator.SimulatorError) as error:
+        sys.exit(f"error: {error}")
+    print(format_summary(summary, f"Sentient benchmark: {summary['results']} ({args.model}"
+                                  f"{', think' if args.think else ''}; {simulator_args.backend} simulator)"))
+
+
+if __name__ == "__main__":
+    main()
