@@ -76,28 +76,22 @@ class ResultFileError(ValueError):
 
 
 def read_results(path) -> list[dict]:
-    """Result rows, checked: each needs an `id`, an integer `emo_point` within 0-100 and a `history` list."""
+    """Result rows, checked: each needs an `id`, an `emo_point` within 0-100 and a `history` list."""
+    if not Path(path).is_file():
+        raise ResultFileError(f"{path}: result file not found")
     rows, seen = [], set()
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ResultFileError(f"{where}: not valid JSON ({error.msg})") from None
-            if not isinstance(row, dict):
-                raise ResultFileError(f"{where}: a result row must be a JSON object")
-            point = row.get("emo_point")
-            if isinstance(point, bool) or not isinstance(point, (int, float)) or not 0 <= point <= simulator.MAX_EMOTION:
-                raise ResultFileError(f"{where}: field 'emo_point' must be a number within 0-100, got {point!r}")
-            if not isinstance(row.get("id"), str) or not isinstance(row.get("history"), list):
-                raise ResultFileError(f"{where}: a result row needs a string 'id' and a 'history' list")
-            if row["id"] in seen:
-                raise ResultFileError(f"{where}: scenario {row['id']!r} appears twice")
-            seen.add(row["id"])
-            rows.append(row)
+    for _, where, row in simulator.json_lines(path, ResultFileError):
+        if not isinstance(row, dict):
+            raise ResultFileError(f"{where}: a result row must be a JSON object")
+        point = row.get("emo_point")
+        if isinstance(point, bool) or not isinstance(point, (int, float)) or not 0 <= point <= simulator.MAX_EMOTION:
+            raise ResultFileError(f"{where}: field 'emo_point' must be a number within 0-100, got {point!r}")
+        if not isinstance(row.get("id"), str) or not isinstance(row.get("history"), list):
+            raise ResultFileError(f"{where}: a result row needs a string 'id' and a 'history' list")
+        if row["id"] in seen:
+            raise ResultFileError(f"{where}: scenario {row['id']!r} appears twice")
+        seen.add(row["id"])
+        rows.append(row)
     if not rows:
         raise ResultFileError(f"{path}: no result rows")
     return rows

@@ -200,28 +200,34 @@ def parse_profile(row, where="profile") -> Profile:
     )
 
 
+def json_lines(path, error=ValueError):
+    """(line number, "file:line", parsed value) for each non-blank line of a JSON Lines file; a line
+    that is not JSON raises `error` naming the file and line."""
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                yield number, where, json.loads(line)
+            except json.JSONDecodeError as parse_error:
+                raise error(f"{where}: not valid JSON ({parse_error.msg} at column {parse_error.colno})") from None
+
+
 def load_profiles(path, require_first_talk=False) -> list[Profile]:
     """Read a JSON Lines profile file; any bad row raises ProfileError naming file, line and field."""
     path = Path(path)
     if not path.is_file():
         raise ProfileError(f"{path}: profile file not found")
     profiles, seen = [], {}
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ProfileError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
-            profile = parse_profile(row, where)
-            if require_first_talk and profile.first_talk is None:
-                raise ProfileError(f"{where}: field 'first_talk' is required here (benchmark profiles open with it)")
-            if profile.id in seen:
-                raise ProfileError(f"{where}: field 'id' {profile.id!r} repeats line {seen[profile.id]}")
-            seen[profile.id] = number
-            profiles.append(profile)
+    for number, where, row in json_lines(path, ProfileError):
+        profile = parse_profile(row, where)
+        if require_first_talk and profile.first_talk is None:
+            raise ProfileError(f"{where}: field 'first_talk' is required here (benchmark profiles open with it)")
+        if profile.id in seen:
+            raise ProfileError(f"{where}: field 'id' {profile.id!r} repeats line {seen[profile.id]}")
+        seen[profile.id] = number
+        profiles.append(profile)
     if not profiles:
         raise ProfileError(f"{path}: no profiles in file")
     return profiles
