@@ -150,3 +150,27 @@ def test_per_turn_rows_drop_earlier_thoughts_and_train_one_turn_each(tiny_model_
 def test_a_per_turn_rows_run_completes(tiny_model_dir, tmp_path):
     transcripts, metrics = run_ppo(tiny_model_dir, tmp_path / "run", "--max_steps", "1", "--think", "--per_turn_rows")
     assert len(transcripts) == 4 and metrics[0]["step"] == 0
+
+
+def test_with_a_blank_critic_the_first_update_is_grpos_with_one_group(tiny_model_dir):
+    """V = 0 (the zero-initialised head) and one profile per batch: the whitened per-token advantages
+    are the group-normalised rewards, so the policy gradient points where GRPO's would."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    lengths = [(5, 6), (5, 9), (5, 4), (5, 7)]  # (prompt and user tokens, sampled tokens) per dialogue
+    rows = [(torch.randint(0, 1000, (p + a,)).tolist(), [0] * p + [1] * a) for p, a in lengths]
+    batch = train_ppo.pad_batch(rows, pad_id=0)
+    mask, rewards = batch["action_mask"], torch.tensor([0.30, 0.35, 0.40, 0.30])
+    advantages, _ = masked_gae(place_rewards(mask, rewards.tolist()), torch.zeros_like(mask), mask, 1.0, 1.0)
+    advantages = train_ppo.whiten(advantages, mask)
+    logprobs, _ = train_ppo.token_logprobs(model, batch["input_ids"], batch["attention_mask"], 1.0)
+    params = list(model.parameters())
+    ppo = torch.autograd.grad(train_ppo.masked_mean(-advantages * logprobs, mask), params, retain_graph=True)
+    token_weights = mask.sum(1)  # whitening weighs each dialogue by its number of sampled tokens
+    mean = (rewards * token_weights).sum() / token_weights.sum()
+    grpo_advantages = (rewards - mean)[:, None] * mask
+    grpo = torch.autograd.grad(train_ppo.masked_mean(-grpo_advantages * logprobs, mask), params)
+    flat = [torch.cat([g.flatten() for g in grads]) for grads in (ppo, grpo)]
+    assert torch.nn.functional.cosine_similarity(flat[0], flat[1], dim=0) > 0.9999
