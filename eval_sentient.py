@@ -161,10 +161,9 @@ def format_summary(summary: dict, title: str) -> str:
     return "\n".join(lines)
 
 
-def leaderboard(paths: list[str], bootstrap_samples: int = 10000) -> str:
-    """One line per result file, best score first: the published leaderboard's columns plus ours."""
-    entries = [(Path(path).name, summarize(read_results(path), bootstrap_samples)) for path in paths]
-    entries.sort(key=lambda entry: -entry[1]["score"])
+def leaderboard(summaries: dict[str, dict]) -> str:
+    """One line per result file (path -> its summary), best score first: the published columns plus ours."""
+    entries = sorted(((Path(path).name, s) for path, s in summaries.items()), key=lambda entry: -entry[1]["score"])
     width = max(len(name) for name, _ in entries)
     lines = [f"{'rank':>4}  {'results':<{width}}  {'n':>3}  {'score':>5}  {'95% CI':>11}  {'success':>7}  "
              f"{'failure':>7}  {'turns':>5}"]
@@ -195,10 +194,19 @@ def append_rows(path: Path, rows: list[dict]) -> None:
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+def benchmark_config(simulator_args, args: EvalArguments | None = None) -> rollout.RolloutConfig:
+    """The benchmark's dialogues: SAGE's start, judged-reply limit and bound, the tested model's budgets."""
+    args = args or EvalArguments()
+    return rollout.RolloutConfig(
+        think=args.think, max_turns=simulator.BENCHMARK_MAX_TURNS, max_think_tokens=args.max_think_tokens,
+        max_reply_tokens=args.max_reply_tokens, max_dialogue_tokens=args.max_dialogue_tokens,
+        simulator_concurrency=args.batch_size, start_emotion=simulator.BENCHMARK_START_EMOTION,
+        variant=simulator_args.variant, change_bound=simulator_args.change_bound, language=simulator_args.language,
+        policy_prompt="sentient")
+
+
 def new_simulator(profile, chat, simulator_args) -> simulator.Simulator:
-    return simulator.make_simulator(profile, chat, variant=simulator_args.variant, change_bound=simulator_args.change_bound,
-                                    language=simulator_args.language, start_emotion=simulator.BENCHMARK_START_EMOTION,
-                                    max_turns=simulator.BENCHMARK_MAX_TURNS)
+    return rollout.new_simulator(profile, chat, benchmark_config(simulator_args))
 
 
 def load_local_model(name_or_path: str):
@@ -228,13 +236,7 @@ def play_local(args, simulator_args, chat, profiles, output: Path, progress) -> 
     if torch.cuda.is_available():
         model.to("cuda")
     rollout.use_all_cpu_cores()
-    config = rollout.RolloutConfig(
-        think=args.think, max_turns=simulator.BENCHMARK_MAX_TURNS, max_think_tokens=args.max_think_tokens,
-        max_reply_tokens=args.max_reply_tokens, max_dialogue_tokens=args.max_dialogue_tokens,
-        simulator_concurrency=args.batch_size, start_emotion=simulator.BENCHMARK_START_EMOTION,
-        variant=simulator_args.variant, change_bound=simulator_args.change_bound, language=simulator_args.language,
-        policy_prompt="sentient")
-    runner = rollout.DialogueRunner(tokenizer, config, chat)
+    runner = rollout.DialogueRunner(tokenizer, benchmark_config(simulator_args, args), chat)
     if chat is not None:
         runner.loop.run_until_complete(chat.check())  # on the loop that will use its connections
     if args.use_vllm:
@@ -332,10 +334,11 @@ def main(argv=None) -> None:
     args, simulator_args = parser.parse_args_into_dataclasses(argv)
     try:
         if args.rescore:
-            print(leaderboard(args.rescore, args.bootstrap_samples))
-            for path in args.rescore:
+            summaries = {path: summarize(read_results(path), args.bootstrap_samples) for path in args.rescore}
+            print(leaderboard(summaries))
+            for path, summary in summaries.items():
                 print()
-                print(format_summary(summarize(read_results(path), args.bootstrap_samples), path))
+                print(format_summary(summary, path))
             return
         summary = evaluate(args, simulator_args)
     except (ResultFileError, simulator.ProfileError, simulator.SimulatorError) as error:

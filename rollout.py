@@ -358,6 +358,13 @@ class Dialogue:
                 "format_violations": self.format_violations}
 
 
+def new_simulator(profile, chat, config: RolloutConfig) -> simulator.Simulator:
+    """A fresh simulated user for one dialogue, on the config's start, turn limit, bound and variant."""
+    return simulator.make_simulator(profile, chat, variant=config.variant, start_emotion=config.start_emotion,
+                                    max_turns=config.max_turns, change_bound=config.change_bound,
+                                    language=config.language)
+
+
 class DialogueRunner:
     """Runs batches of dialogues for one policy tokenizer and one simulator set-up.
 
@@ -380,9 +387,7 @@ class DialogueRunner:
         self.loop.close()
 
     def new_simulator(self, profile) -> simulator.Simulator:
-        c = self.config
-        return simulator.make_simulator(profile, self.chat, variant=c.variant, start_emotion=c.start_emotion,
-                                        max_turns=c.max_turns, change_bound=c.change_bound, language=c.language)
+        return new_simulator(profile, self.chat, self.config)
 
     def openings(self, profiles) -> dict[str, str]:
         """Each profile's opening line, made once (first_talk, or the simulator's own opening), so the
