@@ -9,7 +9,9 @@ One step:
    shares a profile and its opening line). A row is one whole dialogue: prompt + completion, with
    `env_mask` = 1 on the tokens the policy sampled (its actions) and 0 on everything inserted.
 2. Old log-probs (policy) and values (critic) at every action, computed once from the batch. The
-   value of an action is the critic's estimate at the state just before it was sampled.
+   value of an action is the critic's estimate at the state just before it was sampled. The first
+   minibatch's pass doubles as its training pass (nothing has changed yet), so the demo, with one
+   minibatch per batch, makes one forward pass per network per step.
 3. Reward: final emotion / 100 (minus the optional format penalty), placed on the last token the
    policy sampled; with kl_coef > 0, minus kl_coef * (logp - ref_logp) on every action (a frozen
    reference is loaded only then; the paper used none).
@@ -168,23 +170,55 @@ def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "action_mask": action_mask}
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature: float, with_entropy: bool = False):
-    """Log-prob of each token given the tokens before it (position 0 gets 0), and with `with_entropy`
-    the entropy there (else None: over a 49k vocabulary it costs as much as the log-probs)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
-    logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    pad = torch.zeros_like(chosen[:, :1])
+def token_logprobs(model, input_ids, attention_mask, action_mask, temperature: float, with_entropy: bool = False):
+    """Log-prob of each action token given the tokens before it, 0 elsewhere; with `with_entropy` the
+    entropy there too (else None). Logits are computed only where some row has an action: the
+    49k-wide output layer and softmax at prompt and user tokens would be wasted work."""
+    targets = action_mask.any(dim=0).nonzero().squeeze(-1)  # never position 0: it follows no token
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=targets - 1).logits
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    chosen = torch.zeros(input_ids.shape, dtype=logprobs.dtype, device=logprobs.device)
+    chosen[:, targets] = logprobs.gather(-1, input_ids[:, targets].unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
-        return torch.cat([pad, chosen], dim=1), None
-    entropy = -(logprobs.exp() * logprobs).sum(-1)
-    return torch.cat([pad, chosen], dim=1), torch.cat([pad, entropy], dim=1)
+        return chosen, None
+    entropy = torch.zeros_like(chosen)
+    entropy[:, targets] = -(logprobs.exp() * logprobs).sum(-1)
+    return chosen, entropy
 
 
 def state_values(critic, input_ids, attention_mask):
     """The value of the action at position t is the critic's output at t - 1 (the state before it)."""
     values = critic(input_ids, attention_mask)[:, :-1]
     return torch.cat([torch.zeros_like(values[:, :1]), values], dim=1)
+
+
+def select_rows(batch: dict, rows: list[int]) -> dict:
+    return {key: value[rows] for key, value in batch.items()}
+
+
+def forward(policy, critic, batch: dict, temperature: float):
+    """(log-probs, entropy, values) at the actions of `batch`, with their graphs."""
+    logprobs, entropy = token_logprobs(policy, batch["input_ids"], batch["attention_mask"], batch["action_mask"],
+                                       temperature, with_entropy=True)
+    return logprobs, entropy, state_values(critic, batch["input_ids"], batch["attention_mask"])
+
+
+def old_logprobs_and_values(policy, critic, batch: dict, first_minibatch: list[int], temperature: float):
+    """Log-probs and values of every row before the update, and the first minibatch's forward pass.
+    That minibatch is trained before any weight changes, so its old log-probs and values are its new
+    ones, detached: its pass is made once, with graphs, and serves both (with one minibatch per batch,
+    as in the demo, no separate no-grad pass is made at all)."""
+    first = forward(policy, critic, select_rows(batch, first_minibatch), temperature)
+    old_logprobs, old_values = torch.zeros_like(batch["action_mask"]), torch.zeros_like(batch["action_mask"])
+    old_logprobs[first_minibatch], old_values[first_minibatch] = first[0].detach(), first[2].detach()
+    rest = [row for row in range(len(old_logprobs)) if row not in first_minibatch]
+    if rest:
+        with torch.no_grad():
+            others = select_rows(batch, rest)
+            old_logprobs[rest], _ = token_logprobs(policy, others["input_ids"], others["attention_mask"],
+                                                   others["action_mask"], temperature)
+            old_values[rest] = state_values(critic, others["input_ids"], others["attention_mask"])
+    return old_logprobs, old_values * batch["action_mask"], first
 
 
 def place_rewards(action_mask, final_rewards, logprobs=None, ref_logprobs=None, kl_coef: float = 0.0):
@@ -373,6 +407,7 @@ def main(argv=None) -> None:
             generator = rollout.TransformersGenerator(accelerator.unwrap_model(policy), tokenizer, generation_config)
         dialogues = runner.run(starts, generator)
         policy.train()
+        rollout_time = time.perf_counter() - started
 
         # 2-4. Old log-probs and values, rewards on the last action, GAE over actions.
         rewards_by_dialogue = [rollout.reward(d.final_emotion, d.format_violations, config.format_penalty)
@@ -383,13 +418,14 @@ def main(argv=None) -> None:
             rows += dialogue_rows
             final_rewards += [dialogue_reward] * len(dialogue_rows)  # the rows of a dialogue share its reward
         batch = pad_batch(rows, pad_id)
-        with torch.no_grad():
-            old_logprobs, _ = token_logprobs(policy, batch["input_ids"], batch["attention_mask"], args.temperature)
-            old_values = state_values(critic, batch["input_ids"], batch["attention_mask"]) * batch["action_mask"]
-            ref_logprobs = None
-            if reference is not None:
+        orders = [torch.randperm(len(rows)).tolist() for _ in range(args.ppo_epochs)]
+        old_logprobs, old_values, first_forward = old_logprobs_and_values(
+            policy, critic, batch, orders[0][:args.minibatch_size], args.temperature)
+        ref_logprobs = None
+        if reference is not None:
+            with torch.no_grad():
                 ref_logprobs, _ = token_logprobs(reference, batch["input_ids"], batch["attention_mask"],
-                                                             args.temperature)
+                                                 batch["action_mask"], args.temperature)
         rewards = place_rewards(batch["action_mask"], final_rewards, old_logprobs, ref_logprobs, args.kl_coef)
         advantages, returns = masked_gae(rewards, old_values, batch["action_mask"], args.gamma, args.lam)
         batch.update(old_logprobs=old_logprobs, old_values=old_values, returns=returns,
@@ -397,15 +433,11 @@ def main(argv=None) -> None:
 
         # 5. PPO epochs over minibatches of dialogues.
         stats = []
-        for _ in range(args.ppo_epochs):
-            indices = torch.randperm(len(rows)).tolist()
+        for epoch, indices in enumerate(orders):
             for first in range(0, len(indices), args.minibatch_size):
-                pick = indices[first:first + args.minibatch_size]
-                minibatch = {key: value[pick] for key, value in batch.items()}
-                new_logprobs, entropy = token_logprobs(policy, minibatch["input_ids"], minibatch["attention_mask"],
-                                                       args.temperature, with_entropy=True)
-                new_values = state_values(critic, minibatch["input_ids"], minibatch["attention_mask"])
-                policy_loss, value_loss, minibatch_stats = ppo_losses(new_logprobs, entropy, new_values, minibatch, args)
+                minibatch = select_rows(batch, indices[first:first + args.minibatch_size])
+                outputs = first_forward if epoch == first == 0 else forward(policy, critic, minibatch, args.temperature)
+                policy_loss, value_loss, minibatch_stats = ppo_losses(*outputs, minibatch, args)
                 for loss, model, optimizer in ((policy_loss, policy, policy_optimizer), (value_loss, critic, critic_optimizer)):
                     optimizer.zero_grad()
                     accelerator.backward(loss)
@@ -422,7 +454,7 @@ def main(argv=None) -> None:
         metrics.update({"ppo/value_mean": masked_mean(old_values, mask).item(),
                         "ppo/explained_variance": (1 - unexplained / spread.clamp(min=1e-8)).item()})
         metrics.update({"reward": sum(rewards_by_dialogue) / len(rewards_by_dialogue), "step": step,
-                        "step_time": time.perf_counter() - started})
+                        "step_time": time.perf_counter() - started, "rollout_time": rollout_time})
         rollout.write_transcripts(transcripts, dialogues, step=step)
         with metrics_file.open("a", encoding="utf-8") as out:
             out.write(json.dumps(metrics) + "\n")

@@ -165,7 +165,7 @@ def test_with_a_blank_critic_the_first_update_is_grpos_with_one_group(tiny_model
     mask, rewards = batch["action_mask"], torch.tensor([0.30, 0.35, 0.40, 0.30])
     advantages, _ = masked_gae(place_rewards(mask, rewards.tolist()), torch.zeros_like(mask), mask, 1.0, 1.0)
     advantages = train_ppo.whiten(advantages, mask)
-    logprobs, _ = train_ppo.token_logprobs(model, batch["input_ids"], batch["attention_mask"], 1.0)
+    logprobs, _ = train_ppo.token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask, 1.0)
     params = list(model.parameters())
     ppo = torch.autograd.grad(train_ppo.masked_mean(-advantages * logprobs, mask), params, retain_graph=True)
     token_weights = mask.sum(1)  # whitening weighs each dialogue by its number of sampled tokens
@@ -174,3 +174,60 @@ def test_with_a_blank_critic_the_first_update_is_grpos_with_one_group(tiny_model
     grpo = torch.autograd.grad(train_ppo.masked_mean(-grpo_advantages * logprobs, mask), params)
     flat = [torch.cat([g.flatten() for g in grads]) for grads in (ppo, grpo)]
     assert torch.nn.functional.cosine_similarity(flat[0], flat[1], dim=0) > 0.9999
+
+
+def _rows_with_actions_at_different_places(seed=0):
+    torch.manual_seed(seed)
+    lengths = [(4, 3, 2, 3), (6, 2, 0, 0), (3, 5, 1, 2)]  # prompt, turn 1, user turn, turn 2 per row
+    rows = []
+    for prompt, first, user, second in lengths:
+        ids = torch.randint(0, 1000, (prompt + first + user + second,)).tolist()
+        rows.append((ids, [0] * prompt + [1] * first + [0] * user + [1] * second))
+    return train_ppo.pad_batch(rows, pad_id=0)
+
+
+def test_log_probs_at_actions_match_the_full_logits(tiny_model_dir):
+    """Logits are computed only where some row has an action; an off-by-one there would score the
+    wrong token, so compare against log_softmax over the full output."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    batch = _rows_with_actions_at_different_places()
+    ids, mask = batch["input_ids"], batch["action_mask"]
+    logprobs, entropy = train_ppo.token_logprobs(model, ids, batch["attention_mask"], mask, 0.7, with_entropy=True)
+    with torch.no_grad():
+        full = torch.log_softmax(model(input_ids=ids, attention_mask=batch["attention_mask"]).logits / 0.7, dim=-1)
+    expected = torch.zeros_like(mask)
+    expected[:, 1:] = full[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    expected_entropy = torch.zeros_like(mask)
+    expected_entropy[:, 1:] = -(full.exp() * full).sum(-1)[:, :-1]
+    actions = mask > 0
+    assert torch.allclose(logprobs[actions], expected[actions], atol=1e-5)
+    assert torch.allclose(entropy[actions], expected_entropy[actions], atol=1e-4)
+    assert logprobs.requires_grad
+
+
+@pytest.mark.parametrize("first_minibatch", [[2, 0, 1], [1], [2, 0]])
+def test_old_log_probs_and_values_are_those_of_plain_no_grad_passes(tiny_model_dir, first_minibatch):
+    """The first minibatch's training pass doubles as its old pass; every row must still get exactly
+    what a separate pass before the update gives, and the reused pass must be that minibatch's."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    body = AutoModel.from_pretrained(tiny_model_dir)
+    critic = train_ppo.Critic(body, body.config.hidden_size)
+    torch.nn.init.normal_(critic.value_head.weight)  # non-zero values, so a mix-up of rows shows
+    batch = _rows_with_actions_at_different_places()
+    mask = batch["action_mask"]
+    old_logprobs, old_values, first = train_ppo.old_logprobs_and_values(policy, critic, batch, first_minibatch, 1.0)
+    with torch.no_grad():
+        plain_logprobs, _ = train_ppo.token_logprobs(policy, batch["input_ids"], batch["attention_mask"], mask, 1.0)
+        plain_values = train_ppo.state_values(critic, batch["input_ids"], batch["attention_mask"]) * mask
+    assert torch.allclose(old_logprobs * mask, plain_logprobs * mask, atol=1e-5)
+    assert torch.allclose(old_values, plain_values, atol=1e-5)
+    assert not old_logprobs.requires_grad and not old_values.requires_grad
+    logprobs, _, values = first
+    assert logprobs.requires_grad and values.requires_grad
+    rows_mask = mask[first_minibatch]
+    assert torch.allclose(logprobs.detach() * rows_mask, plain_logprobs[first_minibatch] * rows_mask, atol=1e-5)
