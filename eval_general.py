@@ -527,15 +527,16 @@ def with_think_prompt(messages: list[dict], think: bool) -> list[dict]:
 
 def run_task(task: str, items: list[dict], args: GeneralEvalArguments, backend, output_dir: Path,
              progress) -> list[dict]:
-    """Generate and grade every item not yet in `<output_dir>/<task>.jsonl`; return the rows of `items`.
-    Batches are cut from the full item list and seeded by position, so a resumed run samples what
-    an uninterrupted one would have."""
+    """Generate and grade every item of `items[:args.limit]` not yet in `<output_dir>/<task>.jsonl`;
+    return their rows. Batches are cut from the item list and seeded by position, so a resumed run
+    samples what an uninterrupted one would have."""
     path = output_dir / f"{task}.jsonl"
     done = {row["id"] for row in read_result_rows(path)} if path.is_file() else set()
     unknown = done - {item["id"] for item in items}
     if unknown:
         raise DataError(f"{path} holds items this data does not have (e.g. {sorted(unknown)[0]}); "
                         "choose another --output_dir")
+    items = items[:args.limit]
     todo = [(index, item) for index, item in enumerate(items) if item["id"] not in done]
     max_new_tokens = args.max_new_tokens or TASK_MAX_NEW_TOKENS[task]
     grade = GRADERS[task]
@@ -576,7 +577,7 @@ def evaluate(args: GeneralEvalArguments) -> dict:
         raise DataError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
     output_dir = Path(args.output_dir) if args.output_dir else default_output_dir(args)
     output_dir.mkdir(parents=True, exist_ok=True)
-    data = {task: LOADERS[task](args)[:args.limit] for task in tasks}  # before the model: bad data fails in seconds
+    data = {task: LOADERS[task](args) for task in tasks}  # before the model: bad data fails in seconds
     backend = make_backend(args)
     summary_path = output_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}

@@ -52,7 +52,7 @@ import simulator
 PROMPTS_DIR = simulator.PROMPTS_DIR
 MIN_REPLY_TOKENS = 8  # a dialogue that cannot leave this many tokens for the next reply ends
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-END_REASONS = ("farewell", "gave_up", "goodbye", "turn_limit", "token_budget")
+END_REASONS = ("farewell", "gave_up", "goodbye", "turn_limit", "token_budget", "simulator_failed")
 
 
 @dataclass
@@ -86,6 +86,8 @@ class DialogueArguments:
     max_dialogue_tokens: int = field(default=1024, metadata={"help": "prompt + completion tokens per dialogue"})
     format_penalty: float = field(default=0.0, metadata={"help": "subtracted from the reward of a dialogue with a think-format violation"})
     simulator_concurrency: int = field(default=32, metadata={"help": "simulator calls in flight at once"})
+    max_failed_share: float = field(default=0.5, metadata={
+        "help": "stop (after saving) when more of a step's dialogues than this lose their simulator"})
 
 
 def rollout_config(dialogue_args: DialogueArguments, simulator_args: simulator.SimulatorArguments) -> RolloutConfig:
@@ -334,6 +336,7 @@ class Dialogue:
     reply_tokens: int = 0
     simulator_seconds: float = 0.0
     end_reason: str | None = None
+    failure: str | None = None  # the simulator's error, when it failed past its retries: no score
 
     @property
     def done(self) -> bool:
@@ -355,7 +358,7 @@ class Dialogue:
         """A benchmark result row (SAGE format) plus training fields."""
         return {**self.simulator.result_row(self.think_texts), "step": step, "dialogue_id": self.dialogue_id, "end_reason": self.end_reason,
                 "turns": len(self.reply_texts), "think_texts": self.think_texts,
-                "format_violations": self.format_violations}
+                "format_violations": self.format_violations, "failure": self.failure}
 
 
 def new_simulator(profile, chat, config: RolloutConfig) -> simulator.Simulator:
@@ -489,8 +492,15 @@ class DialogueRunner:
     async def _answer(self, dialogue: Dialogue, gate: asyncio.Semaphore) -> None:
         async with gate:
             started = time.perf_counter()
-            turn = await dialogue.simulator.respond(dialogue.reply_texts[-1])
-            dialogue.simulator_seconds += time.perf_counter() - started
+            try:
+                turn = await dialogue.simulator.respond(dialogue.reply_texts[-1])
+            except simulator.SimulatorError as error:
+                # Failed past the client's retries: the dialogue has no trustworthy score. It ends here
+                # and the trainers leave it out of the loss; it is never scored 0 or 100.
+                dialogue.failure, dialogue.end_reason = str(error), "simulator_failed"
+                return
+            finally:
+                dialogue.simulator_seconds += time.perf_counter() - started
         dialogue.emotions.append(turn.emotion)
         dialogue.reasons.append(turn.reasoning)
         if turn.done:
@@ -535,15 +545,26 @@ def rollout_output(dialogues: list[Dialogue], with_logprobs: bool) -> dict:
         "reply_tokens": [d.reply_tokens for d in dialogues],
         "simulator_seconds": [d.simulator_seconds for d in dialogues],
         "emotions": [d.emotions for d in dialogues],
+        "failed": [d.failure is not None for d in dialogues],
     }
 
 
 def dialogue_metrics(final_emotion, turns, end_reason, format_violations, think_tokens, reply_tokens,
-                     simulator_seconds, emotions, max_turns: int) -> dict[str, float]:
-    """The fixed set of training metrics (README lists them), from per-dialogue values."""
-    count = len(final_emotion)
+                     simulator_seconds, emotions, failed, max_turns: int) -> dict[str, float]:
+    """The fixed set of training metrics (README lists them), from per-dialogue values. Emotions,
+    lengths and formats are over the scored dialogues; `dialogue/ended_simulator_failed` is the
+    share of all dialogues whose simulator failed."""
+    metrics = {f"dialogue/ended_{reason}": sum(r == reason for r in end_reason) / len(end_reason)
+               for reason in END_REASONS}
+    scored = [i for i, lost in enumerate(failed) if not lost]
+    if not scored:
+        return metrics
+    final_emotion, turns, format_violations, think_tokens, reply_tokens, simulator_seconds, emotions = (
+        [values[i] for i in scored] for values in (final_emotion, turns, format_violations, think_tokens,
+                                                   reply_tokens, simulator_seconds, emotions))
+    count = len(scored)
     policy_turns = max(1, sum(turns))
-    metrics = {
+    metrics.update({
         "emotion/final_mean": sum(final_emotion) / count,
         "emotion/success_rate": sum(e >= simulator.FAREWELL_AT for e in final_emotion) / count,
         "emotion/failure_rate": sum(e < simulator.GIVE_UP_BELOW for e in final_emotion) / count,
@@ -552,9 +573,7 @@ def dialogue_metrics(final_emotion, turns, end_reason, format_violations, think_
         "length/think_tokens_per_turn": sum(think_tokens) / policy_turns,
         "length/reply_tokens_per_turn": sum(reply_tokens) / policy_turns,
         "simulator/seconds_per_turn": sum(simulator_seconds) / policy_turns,
-    }
-    for reason in END_REASONS:
-        metrics[f"dialogue/ended_{reason}"] = sum(r == reason for r in end_reason) / count
+    })
     for turn in range(max_turns):  # the emotion trajectory; an ended dialogue keeps its final emotion
         metrics[f"emotion/after_turn_{turn + 1}"] = sum(e[min(turn, len(e) - 1)] for e in emotions) / count
     return metrics
@@ -564,8 +583,28 @@ def dialogues_metrics(dialogues: list[Dialogue], max_turns: int) -> dict[str, fl
     """`dialogue_metrics` for dialogues in hand (the per-row fields come from `rollout_output`)."""
     fields = rollout_output(dialogues, with_logprobs=False)
     names = ("final_emotion", "turns", "end_reason", "format_violations", "think_tokens", "reply_tokens",
-             "simulator_seconds", "emotions")
+             "simulator_seconds", "emotions", "failed")
     return dialogue_metrics(**{name: fields[name] for name in names}, max_turns=max_turns)
+
+
+class TooManySimulatorFailures(simulator.SimulatorError):
+    """More of a batch's dialogues lost their simulator than `max_failed_share` allows."""
+
+
+def check_failures(dialogues: list[Dialogue], max_failed_share: float) -> None:
+    failed = [d for d in dialogues if d.failure is not None]
+    if failed and (len(failed) > max_failed_share * len(dialogues) or len(failed) == len(dialogues)):
+        raise TooManySimulatorFailures(
+            f"{len(failed)} of {len(dialogues)} dialogues lost their simulator, more than max_failed_share="
+            f"{max_failed_share} allows; check the simulator endpoint. Last error: {failed[-1].failure}")
+
+
+def keep_rows_before(path, step: int) -> None:
+    """Drop JSON lines written for steps >= `step`: a resumed run plays them again."""
+    path = Path(path)
+    if path.is_file():
+        rows = [line for line in path.read_text(encoding="utf-8").splitlines() if json.loads(line)["step"] < step]
+        path.write_text("".join(row + "\n" for row in rows), encoding="utf-8")
 
 
 def write_transcripts(path, dialogues: list[Dialogue], step: int | None = None) -> None:

@@ -27,6 +27,7 @@ dialogue/ended_<reason>; format/violation_rate; length/think_tokens_per_turn,
 length/reply_tokens_per_turn; simulator/seconds_per_turn. Transcripts of every dialogue go to
 `<output_dir>/transcripts.jsonl` (benchmark result format plus step and thoughts).
 """
+import json
 import os
 from pathlib import Path
 
@@ -61,15 +62,17 @@ def make_emotion_reward(config: rollout.RolloutConfig):
     """The reward function TRL calls: it reads the rollout's per-row fields, never the completion text."""
 
     def emotion_reward(completions, final_emotion, format_violations, turns, end_reason, think_tokens,
-                       reply_tokens, simulator_seconds, emotions, log_metric=None, **_) -> list[float]:
-        """Final emotion / 100 (minus the optional format penalty); logs the step's dialogue metrics."""
+                       reply_tokens, simulator_seconds, emotions, failed, log_metric=None, **_) -> list[float | None]:
+        """Final emotion / 100 (minus the optional format penalty), or None for a dialogue whose simulator
+        failed (TRL then leaves it out of its group's baseline and gives it zero advantage); logs the
+        step's dialogue metrics."""
         if log_metric is not None:
             for name, value in rollout.dialogue_metrics(final_emotion, turns, end_reason, format_violations,
                                                         think_tokens, reply_tokens, simulator_seconds, emotions,
-                                                        config.max_turns).items():
+                                                        failed, config.max_turns).items():
                 log_metric(name, value)
-        return [rollout.reward(emotion, violations, config.format_penalty)
-                for emotion, violations in zip(final_emotion, format_violations)]
+        return [None if lost else rollout.reward(emotion, violations, config.format_penalty)
+                for emotion, violations, lost in zip(final_emotion, format_violations, failed)]
 
     return emotion_reward
 
@@ -86,6 +89,13 @@ def main() -> None:
     if transcripts.exists() and not training_args.resume_from_checkpoint:
         raise SystemExit(f"{training_args.output_dir} already holds a run ({transcripts.name}); choose another "
                          "--output_dir, delete that folder, or pass --resume_from_checkpoint to continue it")
+    if training_args.resume_from_checkpoint:  # the checkpoint's steps will be played again: drop their rows
+        state = Path(training_args.resume_from_checkpoint) / "trainer_state.json"
+        if not state.is_file():
+            raise SystemExit(f"--resume_from_checkpoint {training_args.resume_from_checkpoint}: no trainer_state.json "
+                             f"there; give a checkpoint folder such as {training_args.output_dir}/checkpoint-10")
+        for path in [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]:
+            rollout.keep_rows_before(path, json.loads(state.read_text())["global_step"])
     training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
     profiles = {p.id: p for p in simulator.load_profiles(dialogue_args.profiles)}
     model_path = simulator.resolve_model(model_args.model_name_or_path)
@@ -101,6 +111,7 @@ def main() -> None:
         starts = [(profiles[profile_id], openings[profile_id]) for profile_id in prompts]
         with rollout.trainer_generator(trainer) as generate:
             dialogues = runner.run(starts, generate)
+        rollout.check_failures(dialogues, dialogue_args.max_failed_share)  # before writing: a resume replays the step
         rank = trainer.accelerator.process_index
         path = transcripts if trainer.accelerator.num_processes == 1 else transcripts.with_suffix(f".rank{rank}.jsonl")
         rollout.write_transcripts(path, dialogues, step=trainer.state.global_step)
@@ -115,7 +126,13 @@ def main() -> None:
         peft_config=get_peft_config(model_args),
         rollout_func=rollout_func,
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except rollout.TooManySimulatorFailures as error:
+        trainer._save_checkpoint(trainer.model, trial=None)  # Trainer's own full checkpoint: weights, optimizer, RNG
+        folder = Path(training_args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+        raise SystemExit(f"stopped at step {trainer.state.global_step} ({folder} holds the state before it; "
+                         f"continue with --resume_from_checkpoint {folder}): {error}") from None
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
     if training_args.push_to_hub:

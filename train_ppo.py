@@ -119,7 +119,6 @@ def lora(model, args: PPOArguments):
 
 def load_models(args: PPOArguments):
     policy_path = simulator.resolve_model(args.model_name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(policy_path)
     policy = lora(AutoModelForCausalLM.from_pretrained(policy_path), args)
     body = AutoModel.from_pretrained(simulator.resolve_model(args.critic_model_name_or_path or policy_path))
     critic = Critic(lora(body, args), body.config.hidden_size)
@@ -128,7 +127,7 @@ def load_models(args: PPOArguments):
     reference = None
     if args.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(policy_path).eval().requires_grad_(False)
-    return tokenizer, policy, critic, reference
+    return policy, critic, reference
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,13 +317,6 @@ def newest_checkpoint(output_dir: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def keep_rows_before(path: Path, step: int) -> None:
-    """Drop JSON lines written for steps >= `step` (they will be played again after a resume)."""
-    if path.is_file():
-        rows = [line for line in path.read_text(encoding="utf-8").splitlines() if json.loads(line)["step"] < step]
-        path.write_text("".join(row + "\n" for row in rows), encoding="utf-8")
-
-
 # --------------------------------------------------------------------------------------------
 # Training
 # --------------------------------------------------------------------------------------------
@@ -357,7 +349,13 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed + accelerator.process_index)
 
     profiles = simulator.load_profiles(dialogue_args.profiles)
-    tokenizer, policy, critic, reference = load_models(args)
+    tokenizer = AutoTokenizer.from_pretrained(simulator.resolve_model(args.model_name_or_path))
+    chat = simulator.make_chat(simulator_args)
+    config = rollout.rollout_config(dialogue_args, simulator_args)
+    runner = rollout.DialogueRunner(tokenizer, config, chat)
+    if chat is not None:  # a wrong URL, key or model name fails now, before any model loads
+        runner.loop.run_until_complete(chat.check())  # on the loop that will use its connections
+    policy, critic, reference = load_models(args)
     policy_optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
     critic_optimizer = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=args.critic_learning_rate)
     start_step = 0
@@ -365,18 +363,13 @@ def main(argv=None) -> None:
     if checkpoint is not None:
         start_step = load_checkpoint(checkpoint, policy, critic, policy_optimizer, critic_optimizer)
         for path in (transcripts, metrics_file):
-            keep_rows_before(path, start_step)
+            rollout.keep_rows_before(path, start_step)
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
     policy, critic, policy_optimizer, critic_optimizer = accelerator.prepare(policy, critic, policy_optimizer,
                                                                              critic_optimizer)
     if accelerator.is_main_process and args.report_to != "none":
         accelerator.init_trackers("rlver-ppo", config={**vars(args), **vars(dialogue_args)})
 
-    chat = simulator.make_chat(simulator_args)
-    config = rollout.rollout_config(dialogue_args, simulator_args)
-    runner = rollout.DialogueRunner(tokenizer, config, chat)
-    if chat is not None:
-        runner.loop.run_until_complete(chat.check())
     openings = runner.openings(profiles)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generation_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
@@ -408,12 +401,22 @@ def main(argv=None) -> None:
         dialogues = runner.run(starts, generator)
         policy.train()
         rollout_time = time.perf_counter() - started
+        try:
+            rollout.check_failures(dialogues, dialogue_args.max_failed_share)
+        except rollout.TooManySimulatorFailures as error:
+            folder = output_dir / f"checkpoint-{step}"
+            if step > 0 and not folder.exists() and accelerator.is_main_process:
+                save_checkpoint(folder, step, policy, critic, policy_optimizer, critic_optimizer, accelerator)
+            saved = f"{folder} holds the state before it; continue with --resume" if step > 0 else "nothing to save yet"
+            raise SystemExit(f"stopped at step {step} ({saved}): {error}") from None
 
         # 2-4. Old log-probs and values, rewards on the last action, GAE over actions.
         rewards_by_dialogue = [rollout.reward(d.final_emotion, d.format_violations, config.format_penalty)
                                for d in dialogues]
         rows, final_rewards = [], []
         for dialogue, dialogue_reward in zip(dialogues, rewards_by_dialogue):
+            if dialogue.failure is not None:
+                continue  # its simulator failed: no score, so no rows (never trained as 0 or 100)
             dialogue_rows = per_turn_rows(dialogue) if args.per_turn_rows else [dialogue_row(dialogue)]
             rows += dialogue_rows
             final_rewards += [dialogue_reward] * len(dialogue_rows)  # the rows of a dialogue share its reward
@@ -453,7 +456,8 @@ def main(argv=None) -> None:
         spread = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
         metrics.update({"ppo/value_mean": masked_mean(old_values, mask).item(),
                         "ppo/explained_variance": (1 - unexplained / spread.clamp(min=1e-8)).item()})
-        metrics.update({"reward": sum(rewards_by_dialogue) / len(rewards_by_dialogue), "step": step,
+        scored = [r for d, r in zip(dialogues, rewards_by_dialogue) if d.failure is None]
+        metrics.update({"reward": sum(scored) / len(scored), "step": step,
                         "step_time": time.perf_counter() - started, "rollout_time": rollout_time})
         rollout.write_transcripts(transcripts, dialogues, step=step)
         with metrics_file.open("a", encoding="utf-8") as out:

@@ -2,12 +2,15 @@
 the network edge, where a real vLLM or commercial endpoint would be."""
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeOpenAIServer:
-    """Answers /v1/chat/completions from a script; each entry is a message text, or
-    {"status": 500} for an error response. Every request body is kept in `requests`."""
+    """Answers /v1/chat/completions from a script. Each entry is a message text, or a fault:
+    {"status": 500} an error response (with "retry_after": seconds, a Retry-After header),
+    {"hang": seconds} no answer for that long (then "text", if given), {"truncated": True} a body
+    cut short of its Content-Length. Every request body is kept in `requests`."""
 
     def __init__(self, script=(), models=("sim-model",), default=None):
         self.script = list(script)
@@ -21,13 +24,17 @@ class FakeOpenAIServer:
             def log_message(self, *args):
                 pass
 
-            def _send(self, status, body):
+            def _send(self, status, body, headers=(), truncated=False):
                 data = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                for name, value in headers:
+                    self.send_header(name, value)
                 self.end_headers()
-                self.wfile.write(data)
+                self.wfile.write(data[:len(data) // 2] if truncated else data)
+                if truncated:
+                    self.close_connection = True
 
             def do_GET(self):
                 if self.path.rstrip("/").endswith("/models"):
@@ -40,16 +47,30 @@ class FakeOpenAIServer:
                 with server._lock:
                     server.requests.append(body)
                     entry = server.script.pop(0) if server.script else server.default
+                if isinstance(entry, dict) and "hang" in entry:
+                    time.sleep(entry["hang"])
+                    entry = entry.get("text")
+                    if entry is None:
+                        return  # the client has given up by now; close without an answer
                 if entry is None:
                     self._send(500, {"error": {"message": "fake server: script exhausted"}})
-                elif isinstance(entry, dict):
-                    self._send(entry["status"], {"error": {"message": f"scripted {entry['status']}"}})
+                elif isinstance(entry, dict) and "status" in entry:
+                    headers = [("Retry-After", str(entry["retry_after"]))] if "retry_after" in entry else []
+                    self._send(entry["status"], {"error": {"message": f"scripted {entry['status']}"}}, headers)
                 else:
+                    text = entry["text"] if isinstance(entry, dict) else entry
                     self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
                                      "choices": [{"index": 0, "finish_reason": "stop",
-                                                  "message": {"role": "assistant", "content": entry}}]})
+                                                  "message": {"role": "assistant", "content": text}}]},
+                               truncated=isinstance(entry, dict) and entry.get("truncated", False))
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request, client_address):
+                pass  # a client that gave up on a hanging answer leaves a broken pipe: expected here
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 

@@ -401,6 +401,10 @@ def test_a_humaneval_run_writes_rows_and_a_summary_and_resumes(tiny_model_dir, t
     assert second.returncode == 0, second.stderr
     again = [json.loads(line) for line in (out / "humaneval.jsonl").read_text().splitlines()]
     assert again == rows
+    # A smaller --limit over the same folder summarises just those items.
+    smaller = run_eval("--model", str(tiny_model_dir), "--tasks", "humaneval", "--limit", "1", "--output_dir", str(out))
+    assert smaller.returncode == 0, smaller.stderr
+    assert json.loads((out / "summary.json").read_text())["humaneval"]["items"] == 1
 
 
 def test_an_endpoint_in_think_mode_is_graded_on_the_text_after_the_thought(tmp_path):

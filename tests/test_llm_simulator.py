@@ -2,6 +2,7 @@
 emotion bookkeeping and termination rules that every backend shares."""
 import asyncio
 import json
+import time
 
 import pytest
 from fake_openai import FakeOpenAIServer
@@ -26,8 +27,8 @@ def turn_script(*changes, message="Okay, go on."):
     return script
 
 
-async def dialogue(server, profile, replies, **options):
-    chat = ChatClient(server.base_url, "sim-model", max_retries=1, timeout=10)
+async def dialogue(server, profile, replies, timeout=10, **options):
+    chat = ChatClient(server.base_url, "sim-model", max_retries=1, timeout=timeout)
     sim = LLMSimulator(profile, chat, **options)
     await sim.open()
     turns = []
@@ -166,6 +167,45 @@ def test_server_errors_are_retried_by_the_client(make_profile):
 def test_persistent_server_errors_fail_with_the_endpoint_named(make_profile):
     with FakeOpenAIServer([{"status": 503}] * 4) as server:
         with pytest.raises(SimulatorError, match=r"127\.0\.0\.1.*failed after retries"):
+            run(dialogue(server, make_profile(first_talk="Hi."), ["a"]))
+
+
+def test_a_429_is_retried_after_the_servers_retry_after(make_profile):
+    with FakeOpenAIServer([{"status": 429, "retry_after": 1}, analysis(+5), "Okay."]) as server:
+        started = time.monotonic()
+        _, turns = run(dialogue(server, make_profile(first_talk="Hi."), ["a"]))
+        waited = time.monotonic() - started
+    assert turns[0].change == 5 and len(server.requests) == 3
+    assert waited >= 1.0  # the client's own back-off would have waited about 0.5 s
+
+
+def test_a_hanging_call_times_out_and_is_retried(make_profile):
+    with FakeOpenAIServer([{"hang": 5, "text": analysis(-9)}, analysis(+5), "Okay."]) as server:
+        started = time.monotonic()
+        _, turns = run(dialogue(server, make_profile(first_talk="Hi."), ["a"], timeout=0.5))
+        assert time.monotonic() - started < 4 and turns[0].change == 5  # the late answer is never read
+
+
+def test_a_call_that_keeps_hanging_fails_within_its_bound(make_profile):
+    with FakeOpenAIServer([{"hang": 5}] * 2) as server:
+        started = time.monotonic()
+        with pytest.raises(SimulatorError, match="failed after retries"):
+            run(dialogue(server, make_profile(first_talk="Hi."), ["a"], timeout=0.5))
+        assert time.monotonic() - started < 4  # 2 x 0.5 s timeouts plus one back-off
+
+
+def test_a_truncated_body_is_retried(make_profile):
+    with FakeOpenAIServer([{"text": analysis(+9), "truncated": True}, analysis(+5), "Okay."]) as server:
+        _, turns = run(dialogue(server, make_profile(first_talk="Hi."), ["a"]))
+    assert turns[0].change == 5 and len(server.requests) == 3
+
+
+def test_an_empty_user_message_is_asked_again_then_fails_clearly(make_profile):
+    with FakeOpenAIServer([analysis(+5), "", "  ", "Okay."]) as server:
+        _, turns = run(dialogue(server, make_profile(first_talk="Hi."), ["a"]))
+    assert turns[0].message == "Okay."
+    with FakeOpenAIServer([analysis(+5), "", "", ""]) as server:
+        with pytest.raises(SimulatorError, match="empty message 3 times"):
             run(dialogue(server, make_profile(first_talk="Hi."), ["a"]))
 
 

@@ -243,3 +243,28 @@ def test_reward_is_final_emotion_over_one_hundred_minus_the_format_penalty():
     assert rollout.reward(85, 0) == 0.85
     assert rollout.reward(85, 2, format_penalty=0.1) == pytest.approx(0.75)
     assert rollout.reward(85, 0, format_penalty=0.1) == 0.85
+
+
+def test_a_dialogue_whose_simulator_fails_ends_unscored_and_the_others_go_on(tiny):
+    _, tokenizer = tiny
+    chosen = profiles(2)
+    starts, openings = starts_for(tokenizer, chosen)
+    script = Scripted(tokenizer, {p.id: ["I hear you.", "Tell me more."] for p in chosen}, openings)
+    # One call at a time, so the script's order is the dialogues' order: d0 then d1, each analysis then reply.
+    answers = ["Fine.\nCHANGE: +5", "Okay.", {"status": 500},  # turn 1: d1's analysis fails (no retries here)
+               "Good.\nCHANGE: +5", "Thanks."]  # turn 2: only d0 is left
+    with FakeOpenAIServer(answers) as server:
+        chat = simulator.ChatClient(server.base_url, "sim-model", max_retries=0)
+        d0, d1 = run(tokenizer, script, starts, chat=chat, max_turns=2, simulator_concurrency=1)
+        assert not server.script  # every scripted answer was asked for, no more
+    assert d1.end_reason == "simulator_failed" and "500" in d1.failure and len(d1.reply_texts) == 1
+    assert d0.failure is None and d0.end_reason == "turn_limit" and d0.emotions == [35, 40]
+    assert rollout.rollout_output([d0, d1], with_logprobs=False)["failed"] == [False, True]
+    metrics = rollout.dialogues_metrics([d0, d1], max_turns=2)
+    assert metrics["dialogue/ended_simulator_failed"] == 0.5
+    assert metrics["emotion/final_mean"] == 40  # the failed dialogue's partial score is not averaged in
+    rollout.check_failures([d0, d1], max_failed_share=0.5)  # 1 of 2 is allowed
+    with pytest.raises(rollout.TooManySimulatorFailures, match=r"1 of 2 dialogues lost their simulator.*500"):
+        rollout.check_failures([d0, d1], max_failed_share=0.4)
+    with pytest.raises(rollout.TooManySimulatorFailures):
+        rollout.check_failures([d1], max_failed_share=1.0)  # nothing left to learn from

@@ -19,11 +19,20 @@ def test_reward_reads_the_final_emotion_not_the_completion_text():
     logged = {}
     rewards = reward(completions=["I am thrilled, 100/100!", "meh"], final_emotion=[20, 90], format_violations=[0, 1],
                      turns=[2, 2], end_reason=["turn_limit", "turn_limit"], think_tokens=[0, 0], reply_tokens=[9, 9],
-                     simulator_seconds=[0.1, 0.1], emotions=[[25, 20], [60, 90]],
+                     simulator_seconds=[0.1, 0.1], emotions=[[25, 20], [60, 90]], failed=[False, False],
                      log_metric=lambda name, value: logged.__setitem__(name, value))
     assert rewards == pytest.approx([0.2, 0.7])
     assert logged["emotion/final_mean"] == 55 and logged["emotion/after_turn_1"] == 42.5
     assert logged["format/violation_rate"] == 0.25 and logged["dialogue/ended_turn_limit"] == 1
+
+
+def test_a_dialogue_whose_simulator_failed_gets_no_reward_so_trl_gives_it_zero_advantage():
+    reward = train_grpo.make_emotion_reward(rollout.RolloutConfig(max_turns=1))
+    rewards = reward(completions=["a", "b", "c"], final_emotion=[40, 30, 50], format_violations=[0, 0, 0],
+                     turns=[1, 1, 1], end_reason=["turn_limit", "simulator_failed", "turn_limit"],
+                     think_tokens=[0, 0, 0], reply_tokens=[5, 5, 5], simulator_seconds=[0.1, 0.1, 0.1],
+                     emotions=[[40], [30], [50]], failed=[False, True, False])
+    assert rewards[0] == pytest.approx(0.4) and rewards[1] is None and rewards[2] == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("grpo_*.yaml")))
@@ -61,3 +70,34 @@ def test_a_two_step_run_completes_and_writes_transcripts_and_metrics(tiny_model_
                  "simulator/seconds_per_turn", "dialogue/ended_turn_limit", "emotion/after_turn_2"):
         assert name in step_logs[0], name
     assert (tmp_path / "adapter_model.safetensors").is_file()
+
+
+def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes(tiny_model_dir, tmp_path):
+    """Step 0 is answered; then the endpoint answers 500 past the client's retries, so step 1 loses
+    every simulator: the run saves a full Trainer checkpoint, stops clearly, and resumes from it."""
+    from conftest import profile_row, write_jsonl
+    from fake_openai import FakeOpenAIServer
+
+    profiles = write_jsonl(tmp_path / "profiles.jsonl", [profile_row(first_talk="My week was awful.")])
+    output_dir = tmp_path / "run"
+    command = [sys.executable, str(REPO / "train_grpo.py"), "--model_name_or_path", str(tiny_model_dir),
+               "--output_dir", str(output_dir), "--max_turns", "2", "--max_reply_tokens", "6",
+               "--num_generations", "2", "--per_device_train_batch_size", "2", "--profiles", str(profiles),
+               "--backend", "llm", "--simulator_model", "sim-model"]
+    answer = "Fine.\nCHANGE: +5"  # serves as an analysis and as a user message
+    with FakeOpenAIServer([answer] * 8, default=None) as server:  # 2 dialogues x 2 turns x 2 calls, then 500s
+        stopped = subprocess.run(command + ["--base_url", server.base_url, "--max_steps", "3"],
+                                 capture_output=True, text=True, timeout=300)
+    assert stopped.returncode != 0
+    assert "stopped at step 1" in stopped.stderr and "2 of 2 dialogues lost their simulator" in stopped.stderr
+    checkpoint = output_dir / "checkpoint-1"
+    assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "optimizer.pt").is_file()
+    rows = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 0]  # the failed step wrote nothing
+    with FakeOpenAIServer(default=answer) as server:
+        resumed = subprocess.run(command + ["--base_url", server.base_url, "--max_steps", "2",
+                                            "--resume_from_checkpoint", str(checkpoint)],
+                                 capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 0, 1, 1]

@@ -231,3 +231,34 @@ def test_old_log_probs_and_values_are_those_of_plain_no_grad_passes(tiny_model_d
     assert logprobs.requires_grad and values.requires_grad
     rows_mask = mask[first_minibatch]
     assert torch.allclose(logprobs.detach() * rows_mask, plain_logprobs[first_minibatch] * rows_mask, atol=1e-5)
+
+
+def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes(tiny_model_dir, tmp_path):
+    """Step 0 is answered; from then on the endpoint answers 500 (past the client's retries), so every
+    dialogue of step 1 loses its simulator: the run saves, stops with a clear error and resumes later."""
+    from conftest import profile_row, write_jsonl
+    from fake_openai import FakeOpenAIServer
+
+    profiles = write_jsonl(tmp_path / "profiles.jsonl", [profile_row(first_talk="My week was awful.")])
+    output_dir = tmp_path / "run"
+    command = [sys.executable, str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
+               "--output_dir", str(output_dir), "--max_turns", "2", "--max_reply_tokens", "6",
+               "--profiles", str(profiles), "--profiles_per_step", "1", "--dialogues_per_profile", "2",
+               "--backend", "llm", "--simulator_model", "sim-model", "--save_steps", "10"]
+    answer = "Fine.\nCHANGE: +5"  # serves as an analysis and as a user message
+    with FakeOpenAIServer([answer] * 8, default=None) as server:  # 2 dialogues x 2 turns x 2 calls, then 500s
+        stopped = subprocess.run(command + ["--base_url", server.base_url, "--max_steps", "3"],
+                                 capture_output=True, text=True, timeout=300)
+    assert stopped.returncode != 0
+    assert "stopped at step 1" in stopped.stderr and "2 of 2 dialogues lost their simulator" in stopped.stderr
+    assert (output_dir / "checkpoint-1").is_dir()
+    rows = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [0, 0]  # the failed step wrote nothing
+    with FakeOpenAIServer(default=answer) as server:
+        resumed = subprocess.run(command + ["--base_url", server.base_url, "--max_steps", "2", "--resume"],
+                                 capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
+    assert collections.Counter(row["step"] for row in rows) == {0: 2, 1: 2}
+    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1]
