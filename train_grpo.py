@@ -142,4 +142,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.16
-    main()
+    try:
+        main()
+    except (simulator.SimulatorError, simulator.ProfileError) as error:  # bad endpoint or profiles: say what, no traceback
+        raise SystemExit(f"error: {error}") from None

@@ -479,4 +479,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (simulator.SimulatorError, simulator.ProfileError) as error:  # bad endpoint or profiles: say what, no traceback
+        raise SystemExit(f"error: {error}") from None

@@ -1,4 +1,5 @@
 """train_grpo.py end to end on a tiny model, its reward function, and the paper recipes."""
+import collections
 import json
 import subprocess
 import sys
@@ -101,3 +102,30 @@ def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 0, 1, 1]
+
+
+def test_a_run_killed_mid_step_resumes_without_losing_or_doubling_a_step(tiny_model_dir, tmp_path):
+    import signal
+    import time
+
+    output_dir = tmp_path / "run"
+    command = [sys.executable, str(REPO / "train_grpo.py"), "--model_name_or_path", str(tiny_model_dir),
+               "--output_dir", str(output_dir), "--max_turns", "2", "--max_reply_tokens", "6",
+               "--num_generations", "2", "--per_device_train_batch_size", "4", "--save_strategy", "steps",
+               "--save_steps", "2"]
+    process = subprocess.Popen(command + ["--max_steps", "50"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    transcripts = output_dir / "transcripts.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (
+            transcripts.is_file() and any(json.loads(line)["step"] == 2 for line in transcripts.read_text().splitlines())):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)  # step 2 has played its dialogues but not finished its update
+    process.wait()
+    assert (output_dir / "checkpoint-2").is_dir() and not (output_dir / "checkpoint-4").exists()
+    resumed = subprocess.run(command + ["--max_steps", "4", "--resume_from_checkpoint", str(output_dir / "checkpoint-2")],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in transcripts.read_text().splitlines()]
+    assert collections.Counter(steps) == {0: 4, 1: 4, 2: 4, 3: 4}
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    assert [entry["step"] for entry in history if "emotion/final_mean" in entry] == [1, 2, 3, 4]

@@ -262,3 +262,36 @@ def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes
     assert collections.Counter(row["step"] for row in rows) == {0: 2, 1: 2}
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1]
+
+
+def test_a_run_killed_mid_step_resumes_without_losing_or_doubling_a_step(tiny_model_dir, tmp_path):
+    import signal
+    import time
+
+    output_dir = tmp_path / "run"
+    command = [sys.executable, str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
+               "--output_dir", str(output_dir), "--max_turns", "2", "--max_reply_tokens", "6",
+               "--profiles_per_step", "2", "--dialogues_per_profile", "2", "--save_steps", "2"]
+    process = subprocess.Popen(command + ["--max_steps", "50"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = output_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)  # during step 3, after checkpoint-2
+    process.wait()
+    assert (output_dir / "checkpoint-2").is_dir() and not (output_dir / "checkpoint-4").exists()
+    transcripts, metrics = run_ppo(tiny_model_dir, output_dir, "--max_steps", "5", "--save_steps", "2", "--resume")
+    assert collections.Counter(row["step"] for row in transcripts) == {step: 4 for step in range(5)}
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
+
+
+def test_a_wrong_simulator_endpoint_fails_in_seconds_before_any_model_loads(tiny_model_dir, tmp_path):
+    import time
+
+    started = time.monotonic()
+    finished = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
+                               "--output_dir", str(tmp_path / "run"), "--backend", "llm", "--simulator_model", "m",
+                               "--base_url", "http://127.0.0.1:9/v1"], capture_output=True, text=True, timeout=120)
+    assert finished.returncode != 0 and "Traceback" not in finished.stderr
+    assert finished.stderr.strip().splitlines()[-1].startswith("error: cannot reach the simulator endpoint http://127.0.0.1:9/v1")
+    assert time.monotonic() - started < 60
