@@ -247,6 +247,7 @@ def play_local(args, simulator_args, chat, profiles, output: Path, progress) -> 
             do_sample=args.temperature > 0, temperature=args.temperature or None, top_k=0, top_p=1.0,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id))
     done = finished_ids(output)
+    lost = []  # scenarios whose simulated user failed past its retries: not written, so a rerun plays them
     try:
         for index in range(0, len(profiles), args.batch_size):
             batch = [p for p in profiles[index:index + args.batch_size] if p.id not in done]
@@ -254,11 +255,16 @@ def play_local(args, simulator_args, chat, profiles, output: Path, progress) -> 
                 continue
             torch.manual_seed(args.seed + index)
             dialogues = runner.run([(p, p.first_talk) for p in batch], generate)
-            rows = [d.simulator.result_row(d.think_texts) for d in dialogues]
+            lost += [d for d in dialogues if d.failure is not None]
+            rows = [d.simulator.result_row(d.think_texts) for d in dialogues if d.failure is None]
             append_rows(output, rows)
             progress(rows)
     finally:
         runner.close()
+    if lost:
+        raise simulator.SimulatorError(
+            f"{len(lost)} scenario(s) lost their simulated user and were not written ({lost[0].profile.id}: "
+            f"{lost[0].failure}); rerun the same command to play them again")
 
 
 async def play_endpoint(args, simulator_args, chat, profiles, output: Path, progress) -> None:

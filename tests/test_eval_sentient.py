@@ -218,6 +218,22 @@ def test_an_endpoint_models_thinking_never_reaches_the_simulator_or_itself(tmp_p
     assert [m["emotion-point"] for m in rows[0]["history"] if m["role"] == "user"][:3] == [40, 45, 50]
 
 
+def test_a_scenario_whose_simulated_user_fails_is_not_scored_and_a_rerun_plays_it(tiny_model_dir, tmp_path):
+    """The first scenario is answered; then the endpoint answers 500 past the client's retries."""
+    answer = "Fine.\nCHANGE: +5"  # an analysis, and a user message
+    args = EvalArguments(model=str(tiny_model_dir), profiles=str(benchmark_profiles(tmp_path / "bench.jsonl", count=2)),
+                         output=str(tmp_path / "r.jsonl"), batch_size=1, max_reply_tokens=4, bootstrap_samples=100)
+    with FakeOpenAIServer([answer] * 18, default=None) as user:  # 9 judged replies x 2 calls, then 500s
+        with pytest.raises(simulator.SimulatorError, match=r"1 scenario\(s\) lost their simulated user.*rerun"):
+            eval_sentient.evaluate(args, simulator.SimulatorArguments(backend="llm", base_url=user.base_url,
+                                                                      simulator_model="sim-model"))
+    assert len(read_results(tmp_path / "r.jsonl")) == 1  # the failed one is not scored as 0 or anything else
+    with FakeOpenAIServer(default=answer) as user:
+        summary = eval_sentient.evaluate(args, simulator.SimulatorArguments(backend="llm", base_url=user.base_url,
+                                                                            simulator_model="sim-model"))
+    assert summary["n"] == 2
+
+
 def test_a_lora_folder_from_training_is_tested_on_its_base_model(tiny_model_dir, tmp_path):
     import torch
     from peft import LoraConfig, get_peft_model
