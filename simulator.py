@@ -905,6 +905,9 @@ class SimulatorArguments:
     base_url: str | None = field(default=None, metadata={
         "help": "OpenAI-compatible endpoint for --backend llm, e.g. http://localhost:8000/v1 (default: $OPENAI_BASE_URL)"})
     api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "environment variable holding the API key"})
+    simulator_timeout: float = field(default=120.0, metadata={"help": "seconds one simulator call may take (llm backend)"})
+    simulator_max_retries: int = field(default=3, metadata={
+        "help": "retries of a failed call: connection errors, timeouts, 429 (after Retry-After), 5xx (llm backend)"})
     change_bound: int = field(default=CHANGE_BOUND, metadata={"help": "largest |emotion change| per turn"})
     language: str | None = field(default=None, metadata={
         "help": "simulator prompt language (en, zh); default: the profile's", "choices": [None, *LANGUAGES]})
@@ -921,7 +924,8 @@ def make_chat(args: SimulatorArguments):
         base_url = args.base_url or os.environ.get("OPENAI_BASE_URL")
         if not base_url:
             raise SimulatorError("--backend llm needs --base_url, e.g. http://localhost:8000/v1 for `vllm serve`")
-        return ChatClient(base_url, args.simulator_model, args.api_key_env)
+        return ChatClient(base_url, args.simulator_model, args.api_key_env, timeout=args.simulator_timeout,
+                          max_retries=args.simulator_max_retries)
     if args.backend == "local":
         return LocalChat(args.simulator_model)
     raise ValueError(f"backend must be one of {BACKENDS}, got {args.backend!r}")

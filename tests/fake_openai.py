@@ -12,7 +12,8 @@ class FakeOpenAIServer:
     {"hang": seconds} no answer for that long (then "text", if given), {"truncated": True} a body
     cut short of its Content-Length. Every request body is kept in `requests`."""
 
-    def __init__(self, script=(), models=("sim-model",), default=None):
+    def __init__(self, script=(), models=("sim-model",), default=None, respond=None):
+        self.respond = respond  # called with each request body once the script is used up: an entry as above
         self.script = list(script)
         self.models = list(models)
         self.default = default  # answer once the script is used up (None: fail the test loudly)
@@ -46,7 +47,8 @@ class FakeOpenAIServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server._lock:
                     server.requests.append(body)
-                    entry = server.script.pop(0) if server.script else server.default
+                    entry = server.script.pop(0) if server.script else (
+                        server.respond(body) if server.respond else server.default)
                 if isinstance(entry, dict) and "hang" in entry:
                     time.sleep(entry["hang"])
                     entry = entry.get("text")
