@@ -411,12 +411,11 @@ def main(argv=None) -> None:
             raise SystemExit(f"stopped at step {step} ({saved}): {error}") from None
 
         # 2-4. Old log-probs and values, rewards on the last action, GAE over actions.
+        scored = [d for d in dialogues if d.failure is None]  # a failed simulator left no score: no rows
         rewards_by_dialogue = [rollout.reward(d.final_emotion, d.format_violations, config.format_penalty)
-                               for d in dialogues]
+                               for d in scored]
         rows, final_rewards = [], []
-        for dialogue, dialogue_reward in zip(dialogues, rewards_by_dialogue):
-            if dialogue.failure is not None:
-                continue  # its simulator failed: no score, so no rows (never trained as 0 or 100)
+        for dialogue, dialogue_reward in zip(scored, rewards_by_dialogue):
             dialogue_rows = per_turn_rows(dialogue) if args.per_turn_rows else [dialogue_row(dialogue)]
             rows += dialogue_rows
             final_rewards += [dialogue_reward] * len(dialogue_rows)  # the rows of a dialogue share its reward
@@ -456,8 +455,7 @@ def main(argv=None) -> None:
         spread = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
         metrics.update({"ppo/value_mean": masked_mean(old_values, mask).item(),
                         "ppo/explained_variance": (1 - unexplained / spread.clamp(min=1e-8)).item()})
-        scored = [r for d, r in zip(dialogues, rewards_by_dialogue) if d.failure is None]
-        metrics.update({"reward": sum(scored) / len(scored), "step": step,
+        metrics.update({"reward": sum(rewards_by_dialogue) / len(rewards_by_dialogue), "step": step,
                         "step_time": time.perf_counter() - started, "rollout_time": rollout_time})
         rollout.write_transcripts(transcripts, dialogues, step=step)
         with metrics_file.open("a", encoding="utf-8") as out:

@@ -59,6 +59,18 @@ def write_jsonl(path, rows):
     return path
 
 
+def kill_when(process, ready, seconds: float = 240) -> None:
+    """SIGKILL `process` as soon as `ready()` holds (or after `seconds`): a run dying mid-step."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
 @pytest.fixture(scope="session")
 def packaged_model():
     """The offline SmolLM2-135M-Instruct, converted once into the repository's cache folder."""

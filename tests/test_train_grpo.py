@@ -105,8 +105,7 @@ def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes
 
 
 def test_a_run_killed_mid_step_resumes_without_losing_or_doubling_a_step(tiny_model_dir, tmp_path):
-    import signal
-    import time
+    from conftest import kill_when
 
     output_dir = tmp_path / "run"
     command = [sys.executable, str(REPO / "train_grpo.py"), "--model_name_or_path", str(tiny_model_dir),
@@ -115,12 +114,9 @@ def test_a_run_killed_mid_step_resumes_without_losing_or_doubling_a_step(tiny_mo
                "--save_steps", "2"]
     process = subprocess.Popen(command + ["--max_steps", "50"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     transcripts = output_dir / "transcripts.jsonl"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not (
-            transcripts.is_file() and any(json.loads(line)["step"] == 2 for line in transcripts.read_text().splitlines())):
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)  # step 2 has played its dialogues but not finished its update
-    process.wait()
+    # Killed once step 2 has played its dialogues, before its update finishes.
+    kill_when(process, lambda: transcripts.is_file() and any(
+        json.loads(line)["step"] == 2 for line in transcripts.read_text().splitlines()))
     assert (output_dir / "checkpoint-2").is_dir() and not (output_dir / "checkpoint-4").exists()
     resumed = subprocess.run(command + ["--max_steps", "4", "--resume_from_checkpoint", str(output_dir / "checkpoint-2")],
                              capture_output=True, text=True, timeout=300)

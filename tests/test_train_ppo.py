@@ -265,8 +265,7 @@ def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes
 
 
 def test_a_run_killed_mid_step_resumes_without_losing_or_doubling_a_step(tiny_model_dir, tmp_path):
-    import signal
-    import time
+    from conftest import kill_when
 
     output_dir = tmp_path / "run"
     command = [sys.executable, str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
@@ -274,11 +273,7 @@ def test_a_run_killed_mid_step_resumes_without_losing_or_doubling_a_step(tiny_mo
                "--profiles_per_step", "2", "--dialogues_per_profile", "2", "--save_steps", "2"]
     process = subprocess.Popen(command + ["--max_steps", "50"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = output_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)  # during step 3, after checkpoint-2
-    process.wait()
+    kill_when(process, lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3)  # in step 3
     assert (output_dir / "checkpoint-2").is_dir() and not (output_dir / "checkpoint-4").exists()
     transcripts, metrics = run_ppo(tiny_model_dir, output_dir, "--max_steps", "5", "--save_steps", "2", "--resume")
     assert collections.Counter(row["step"] for row in transcripts) == {step: 4 for step in range(5)}
