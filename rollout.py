@@ -181,32 +181,101 @@ def _as_list(value):
 # --------------------------------------------------------------------------------------------
 
 class TransformersGenerator:
-    """Batched sampling with `model.generate` over left-padded contexts."""
+    """Batched sampling with `model.generate` over left-padded contexts.
+
+    Prefix cache: a multi-turn rollout calls the generator once per phase and turn, and each new
+    context extends one the previous call saw (its sampled tokens, then inserted ones). The key and
+    value cache of the previous call is kept, and each new row reuses the longest prefix it shares
+    with an old row: only the new tokens are prefilled. The old row's other columns (padding, tokens
+    cut off or sampled after its end) stay in the cache as masked-out holes; position ids come from
+    the attention mask, so every kept token keeps its position. The sampling distribution is that of
+    a fresh prefill (a test compares greedy runs). A generator serves one set of weights: make a new
+    one after every update (the training scripts make one per rollout)."""
 
     def __init__(self, model, tokenizer, generation_config):
         self.model, self.tokenizer, self.generation_config = model, tokenizer, generation_config
         self.eos_ids = {tokenizer.eos_token_id} | set(_as_list(generation_config.eos_token_id))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.cached = None  # (cache, input ids fed, their attention mask, cached real tokens of each row)
 
     @torch.no_grad()
     def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
         if not contexts:
             return [], None
-        width = max(len(c) for c in contexts)
-        input_ids = torch.tensor([[self.pad_id] * (width - len(c)) + c for c in contexts])
-        attention_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
         device = next(self.model.parameters()).device
+        cache, input_ids, attention_mask = self._reuse(contexts)
+        if cache is None:  # a fresh prefill of left-padded contexts
+            width = max(len(c) for c in contexts)
+            input_ids = torch.tensor([[self.pad_id] * (width - len(c)) + c for c in contexts])
+            attention_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
         config = copy.deepcopy(self.generation_config)
         config.max_new_tokens = max(max_new_tokens)
         config.stop_strings = [stop] if stop else None
+        config.return_dict_in_generate = True  # with the cache, for the next call
         output = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                     generation_config=config, tokenizer=self.tokenizer)
+                                     generation_config=config, tokenizer=self.tokenizer, cache=cache)
+        width = input_ids.shape[1]
         sampled = []
-        for row, limit in zip(output[:, width:].tolist(), max_new_tokens):
+        for row, limit in zip(output.sequences[:, width:].tolist(), max_new_tokens):
             row = row[:limit]
             ends = [i for i, token in enumerate(row) if token in self.eos_ids]
             sampled.append(row[:ends[0] + 1] if ends else row)  # up to and including the first end token
+        self._remember(output, attention_mask.to(device), contexts, sampled)
         return sampled, None
+
+    def _remember(self, output, attention_mask, contexts, sampled) -> None:
+        """Keep the cache for the next call if it is a plain one (full attention, no sliding window)."""
+        cache = output.cache
+        if cache is None or any(type(layer).__name__ != "DynamicLayer" for layer in getattr(cache, "layers", [None])):
+            self.cached = None
+            return
+        fed = output.sequences[:, :cache.get_seq_length()]  # the last sampled token was never fed
+        width, generated = attention_mask.shape[1], fed.shape[1] - attention_mask.shape[1]
+        mask = torch.zeros_like(fed)
+        mask[:, :width] = attention_mask
+        tokens = []
+        for row, (context, ids) in enumerate(zip(contexts, sampled)):
+            kept = ids[:generated]
+            mask[row, width:width + len(kept)] = 1
+            tokens.append(context + kept)
+        self.cached = (cache, fed, mask, tokens)
+
+    def _reuse(self, contexts):
+        """(cache, input ids, attention mask) continuing the previous call's cache, or Nones when too
+        little of the new contexts (under half their tokens) is already cached."""
+        if self.cached is None:
+            return None, None, None
+        cache, fed, mask, tokens = self.cached
+        self.cached = None  # the cache is extended in place by the next generate call: use it once
+        matches = []
+        for context in contexts:  # the old row sharing the longest prefix, leaving >= 1 token to feed
+            shared = [_common_prefix(context, old) for old in tokens]
+            best = max(range(len(tokens)), key=shared.__getitem__)
+            matches.append((best, min(shared[best], len(context) - 1)))
+        if sum(n for _, n in matches) * 2 < sum(len(c) for c in contexts):
+            return None, None, None
+        rows = torch.tensor([best for best, _ in matches])
+        cache.batch_select_indices(rows.to(fed.device))
+        fed, mask = fed[rows].clone(), mask[rows].clone()
+        new = [context[n:] for context, (_, n) in zip(contexts, matches)]
+        width = max(len(ids) for ids in new)
+        for row, (best, n) in enumerate(matches):
+            columns = mask[row].nonzero().flatten()
+            mask[row, columns[n:]] = 0  # cached columns past the shared prefix become holes
+        input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in new], device=fed.device)
+        new_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in new], device=fed.device)
+        return cache, torch.cat([fed, input_ids], dim=1), torch.cat([mask, new_mask], dim=1)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low] and a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if a[:middle] == b[:middle] else (low, middle)
+    return low
 
 
 class VLLMGenerator:

@@ -268,3 +268,71 @@ def test_a_dialogue_whose_simulator_fails_ends_unscored_and_the_others_go_on(tin
         rollout.check_failures([d0, d1], max_failed_share=0.4)
     with pytest.raises(rollout.TooManySimulatorFailures):
         rollout.check_failures([d1], max_failed_share=1.0)  # nothing left to learn from
+
+
+def greedy_generator(model, tokenizer):
+    config = GenerationConfig(do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return TransformersGenerator(model, tokenizer, config)
+
+
+def count_prefilled_tokens(model, counts: list):
+    """Records how many tokens each generate call feeds in its first forward pass (its prefill)."""
+    def hook(_module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[1] > 1:
+            counts.append(ids.shape[1])
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.fixture(scope="module")
+def smollm(packaged_model):
+    """The real SmolLM2: its greedy output depends on the context, which the tiny random model's barely does."""
+    return AutoModelForCausalLM.from_pretrained(packaged_model), AutoTokenizer.from_pretrained(packaged_model)
+
+
+def test_the_generator_reuses_its_cached_prefix_and_samples_as_a_fresh_prefill(smollm):
+    model, tokenizer = smollm
+    reusing = greedy_generator(model, tokenizer)
+
+    def fresh(contexts, budgets, stop=None):
+        return greedy_generator(model, tokenizer)(contexts, budgets, stop=stop)
+
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    contexts = [encode("Count with me: one, two, three,"), encode("I lost my job"), encode("The capital of France is")]
+    budgets = [8, 4, 6]
+    prefills = []
+    handle = count_prefilled_tokens(model, prefills)
+    try:
+        first, _ = reusing(contexts, budgets)
+        assert first == fresh(contexts, budgets)[0]
+        # Next call: rows reordered, one dropped, one's sampled tokens cut short (the rest of them
+        # stays cached but must be masked out), inserted tokens after each.
+        second_contexts = [contexts[2] + first[2] + encode(" The capital of Italy is"),
+                           contexts[0] + first[0][:2] + encode(" ten, eleven,")]
+        prefills.clear()
+        second, _ = reusing(second_contexts, [6, 6])
+        reused_prefill = prefills[0]
+        assert second == fresh(second_contexts, [6, 6])[0]
+        assert tokenizer.decode(second[0]).startswith(" Rome")  # the context mattered, and was seen
+        # Only the uncached tokens were fed: the inserted text (plus the last sampled token), not the contexts.
+        assert reused_prefill <= len(encode(" The capital of Italy is")) + 1
+        third_contexts = [second_contexts[1] + second[1] + encode(" Really?")]
+        third, _ = reusing(third_contexts, [5])
+        assert third == fresh(third_contexts, [5])[0]
+        # Unrelated contexts: nothing worth reusing, a fresh prefill of the whole width.
+        prefills.clear()
+        other = [encode("A completely different prompt about rivers")]
+        assert reusing(other, [4])[0] == fresh(other, [4])[0]
+        assert prefills[0] == len(other[0])
+    finally:
+        handle.remove()
+
+
+def test_think_dialogues_with_the_prefix_cache_match_fresh_prefills_token_for_token(smollm):
+    model, tokenizer = smollm
+    starts, _ = starts_for(tokenizer, profiles(2))
+    settings = dict(think=True, max_turns=3, max_think_tokens=6, max_reply_tokens=10)
+    reused = run(tokenizer, greedy_generator(model, tokenizer), starts, **settings)
+    fresh = run(tokenizer, lambda c, b, stop=None: greedy_generator(model, tokenizer)(c, b, stop=stop), starts, **settings)
+    assert [d.completion_ids for d in reused] == [d.completion_ids for d in fresh]
+    assert [d.env_mask for d in reused] == [d.env_mask for d in fresh]
