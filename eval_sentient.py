@@ -301,8 +301,6 @@ async def play_endpoint(args, simulator_args, chat, profiles, output: Path, prog
 
 def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) -> dict:
     """Play every unfinished scenario, then summarise the output file."""
-    from tqdm import tqdm
-
     profiles = simulator.load_profiles(args.profiles, require_first_talk=True)[:args.limit]
     output = Path(args.output) if args.output else default_output(args)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -313,19 +311,16 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
                          "choose another --output")
     if len(done) < len(profiles):
         chat = simulator.make_chat(simulator_args)
-        bar = tqdm(total=len(profiles), initial=len(done), desc="scenarios", unit="dialogue")
         points = []
+        with rollout.DialogueProgress(len(profiles), len(done), "scenarios") as bar:
+            def progress(rows):
+                points.extend(row["emo_point"] for row in rows)
+                bar.advance(len(rows), sum(points) / len(points))
 
-        def progress(rows):
-            points.extend(row["emo_point"] for row in rows)
-            bar.update(len(rows))
-            bar.set_postfix(mean_emotion=f"{sum(points) / len(points):.1f}")
-
-        if args.model_base_url:
-            asyncio.run(play_endpoint(args, simulator_args, chat, profiles, output, progress))
-        else:
-            play_local(args, simulator_args, chat, profiles, output, progress)
-        bar.close()
+            if args.model_base_url:
+                asyncio.run(play_endpoint(args, simulator_args, chat, profiles, output, progress))
+            else:
+                play_local(args, simulator_args, chat, profiles, output, progress)
     summary = summarize(read_results(output), args.bootstrap_samples)
     summary.update(results=str(output), model=args.model, think=args.think, simulator=simulator_args.backend,
                    simulator_model=simulator_args.simulator_model if simulator_args.backend != "rule" else None)
@@ -337,7 +332,10 @@ def main(argv=None) -> None:
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser((EvalArguments, simulator.SimulatorArguments), description=__doc__.split("\n")[0])
-    args, simulator_args = parser.parse_args_into_dataclasses(argv)
+    try:
+        args, simulator_args = parser.parse_args_into_dataclasses(argv)
+    except simulator.ArgumentError as error:
+        parser.error(str(error))
     try:
         if args.rescore:
             summaries = {path: summarize(read_results(path), args.bootstrap_samples) for path in args.rescore}
@@ -351,6 +349,8 @@ def main(argv=None) -> None:
         sys.exit(f"error: {error}")
     print(format_summary(summary, f"Sentient benchmark: {summary['results']} ({args.model}"
                                   f"{', think' if args.think else ''}; {simulator_args.backend} simulator)"))
+    print(f"\nread the dialogues: python report.py {summary['results']}   "
+          f"(against another model: python report.py --compare OTHER.jsonl {summary['results']})")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import json
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -63,7 +63,7 @@ class RolloutConfig:
     max_reply_tokens: int = 512  # reply tokens per policy turn
     max_dialogue_tokens: int = 8192  # prompt + completion tokens per dialogue
     format_penalty: float = 0.0  # taken off the reward of a dialogue with a think-format violation
-    simulator_concurrency: int = 32  # simulator calls in flight at once
+    simulator_concurrency: int = 64  # dialogues whose simulator is answering at once (two calls each, in turn)
     start_emotion: int = simulator.TRAIN_START_EMOTION
     variant: str = "vanilla"
     change_bound: int = simulator.CHANGE_BOUND
@@ -85,9 +85,18 @@ class DialogueArguments:
                 "tokens either way (paper: up to ~5k a turn)"})
     max_dialogue_tokens: int = field(default=1024, metadata={"help": "prompt + completion tokens per dialogue"})
     format_penalty: float = field(default=0.0, metadata={"help": "subtracted from the reward of a dialogue with a think-format violation"})
-    simulator_concurrency: int = field(default=32, metadata={"help": "simulator calls in flight at once"})
+    # A vLLM server batches hundreds of requests at once: the cap is for rate-limited commercial APIs.
+    simulator_concurrency: int = field(default=64, metadata={
+        "help": "dialogues whose simulated user answers at once (its analysis call, then its reply call)"})
     max_failed_share: float = field(default=0.5, metadata={
         "help": "stop (after saving) when more of a step's dialogues than this lose their simulator"})
+
+    def __post_init__(self):
+        simulator.check_options(
+            self, max_turns=simulator.AT_LEAST_ONE, max_think_tokens=simulator.AT_LEAST_ONE,
+            max_reply_tokens=(lambda value: value is None or value >= 1, "at least 1"),
+            max_dialogue_tokens=simulator.AT_LEAST_ONE, format_penalty=simulator.NOT_NEGATIVE,
+            simulator_concurrency=simulator.AT_LEAST_ONE, max_failed_share=simulator.FRACTION)
 
 
 def rollout_config(dialogue_args: DialogueArguments, simulator_args: simulator.SimulatorArguments) -> RolloutConfig:
@@ -582,6 +591,29 @@ class DialogueRunner:
         dialogue.append(inserted, sampled=False)
 
 
+class DialogueProgress:
+    """A rich progress bar of dialogues played, with the mean final emotion the caller reports.
+    On a terminal it redraws in place; in a log file it is written once, at the end."""
+
+    def __init__(self, total: int, completed: int = 0, description: str = "dialogues"):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("mean emotion {task.fields[mean_emotion]}"), TimeElapsedColumn(),
+                                 TimeRemainingColumn())
+        self.task = self.progress.add_task(description, total=total, completed=completed, mean_emotion="-")
+
+    def __enter__(self):
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.stop()
+
+    def advance(self, dialogues: int, mean_emotion: float) -> None:
+        self.progress.update(self.task, advance=dialogues, mean_emotion=f"{mean_emotion:.1f}")
+
+
 def use_all_cpu_cores() -> None:
     """`accelerate launch` sets OMP_NUM_THREADS=1 even for a single CPU process, which halves the
     demo's speed on 2 cores; one process on a CPU-only machine should use every core."""
@@ -615,16 +647,24 @@ def rollout_output(dialogues: list[Dialogue], with_logprobs: bool) -> dict:
         "simulator_seconds": [d.simulator_seconds for d in dialogues],
         "emotions": [d.emotions for d in dialogues],
         "failed": [d.failure is not None for d in dialogues],
+        "simulator_calls": [asdict(d.simulator.calls) for d in dialogues],
     }
 
 
 def dialogue_metrics(final_emotion, turns, end_reason, format_violations, think_tokens, reply_tokens,
-                     simulator_seconds, emotions, failed, max_turns: int) -> dict[str, float]:
+                     simulator_seconds, emotions, failed, simulator_calls, max_turns: int) -> dict[str, float]:
     """The fixed set of training metrics (README lists them), from per-dialogue values. Emotions,
     lengths and formats are over the scored dialogues; `dialogue/ended_simulator_failed` is the
-    share of all dialogues whose simulator failed."""
+    share of all dialogues whose simulator failed; the simulator's calls, retries, failed calls and
+    tokens are totals over all dialogues (zero for the rule backend)."""
     metrics = {f"dialogue/ended_{reason}": sum(r == reason for r in end_reason) / len(end_reason)
                for reason in END_REASONS}
+    calls = simulator.CallStats()
+    for dialogue_calls in simulator_calls:
+        calls.add(simulator.CallStats(**dialogue_calls))
+    metrics.update({"simulator/calls": calls.calls, "simulator/retries": calls.retries,
+                    "simulator/failed_calls": calls.failed, "simulator/prompt_tokens": calls.prompt_tokens,
+                    "simulator/completion_tokens": calls.completion_tokens})
     scored = [i for i, lost in enumerate(failed) if not lost]
     if not scored:
         return metrics
@@ -652,7 +692,7 @@ def dialogues_metrics(dialogues: list[Dialogue], max_turns: int) -> dict[str, fl
     """`dialogue_metrics` for dialogues in hand (the per-row fields come from `rollout_output`)."""
     fields = rollout_output(dialogues, with_logprobs=False)
     names = ("final_emotion", "turns", "end_reason", "format_violations", "think_tokens", "reply_tokens",
-             "simulator_seconds", "emotions", "failed")
+             "simulator_seconds", "emotions", "failed", "simulator_calls")
     return dialogue_metrics(**{name: fields[name] for name in names}, max_turns=max_turns)
 
 

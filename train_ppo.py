@@ -29,6 +29,7 @@ its earlier thoughts, as in train_grpo.py); `--per_turn_rows` trains the paper's
 each policy turn a row whose context drops earlier thoughts, all rows sharing the dialogue's
 reward. Logged metrics and transcripts are those of train_grpo.py, plus ppo/* losses.
 """
+import contextlib
 import json
 import random
 import time
@@ -90,6 +91,15 @@ class PPOArguments:
     vllm_server_port: int = 8000
     per_turn_rows: bool = field(default=False, metadata={
         "help": "the paper's layout: each policy turn its own row, earlier thoughts dropped from its context"})
+
+    def __post_init__(self):
+        positive, at_least_one, fraction = simulator.POSITIVE, simulator.AT_LEAST_ONE, simulator.FRACTION
+        simulator.check_options(
+            self, lora_r=at_least_one, learning_rate=positive, critic_learning_rate=positive,
+            profiles_per_step=at_least_one, dialogues_per_profile=at_least_one, max_steps=at_least_one,
+            ppo_epochs=at_least_one, minibatch_size=at_least_one, gamma=fraction, lam=fraction, clip_range=positive,
+            value_clip_range=positive, entropy_coef=simulator.NOT_NEGATIVE, kl_coef=simulator.NOT_NEGATIVE,
+            max_grad_norm=positive, temperature=positive, save_steps=at_least_one)
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,13 +333,16 @@ def newest_checkpoint(output_dir: Path) -> Path | None:
 
 def parse_arguments(argv=None):
     parser = HfArgumentParser((PPOArguments, rollout.DialogueArguments, simulator.SimulatorArguments))
-    args = parser.parse_args_into_dataclasses(argv)
-    if args[0].config:  # YAML first, then the command line on top of it
-        import yaml
-
-        with open(args[0].config, encoding="utf-8") as handle:
-            parser.set_defaults(**yaml.safe_load(handle))
+    try:
         args = parser.parse_args_into_dataclasses(argv)
+        if args[0].config:  # YAML first, then the command line on top of it
+            import yaml
+
+            with open(args[0].config, encoding="utf-8") as handle:
+                parser.set_defaults(**yaml.safe_load(handle))
+            args = parser.parse_args_into_dataclasses(argv)
+    except simulator.ArgumentError as error:  # a value that cannot work: usage and what to fix, exit 2
+        parser.error(str(error))
     return args
 
 
@@ -382,98 +395,105 @@ def main(argv=None) -> None:
     order = random.Random(args.seed)
     profile_order = []
 
-    for step in range(start_step, args.max_steps):
-        started = time.perf_counter()
-        per_step = args.profiles_per_step * accelerator.num_processes  # each rank plays its own profiles
-        while len(profile_order) < (step + 1) * per_step:  # the same order after a resume
-            profile_order += order.sample(profiles, len(profiles))
-        first = step * per_step + accelerator.process_index * args.profiles_per_step
-        chosen = profile_order[first:first + args.profiles_per_step]
-        starts = [(p, openings[p.id]) for p in chosen for _ in range(args.dialogues_per_profile)]
+    per_step_dialogues = args.profiles_per_step * args.dialogues_per_profile  # this rank's
+    progress = (rollout.DialogueProgress(args.max_steps * per_step_dialogues, start_step * per_step_dialogues,
+                                         "PPO dialogues") if accelerator.is_main_process else contextlib.nullcontext())
+    with progress as bar:  # None on the other ranks
+        for step in range(start_step, args.max_steps):
+            started = time.perf_counter()
+            per_step = args.profiles_per_step * accelerator.num_processes  # each rank plays its own profiles
+            while len(profile_order) < (step + 1) * per_step:  # the same order after a resume
+                profile_order += order.sample(profiles, len(profiles))
+            first = step * per_step + accelerator.process_index * args.profiles_per_step
+            chosen = profile_order[first:first + args.profiles_per_step]
+            starts = [(p, openings[p.id]) for p in chosen for _ in range(args.dialogues_per_profile)]
 
-        # 1. Rollout with the current policy.
-        policy.eval()
-        if vllm_generator is not None:
-            vllm_generator.push_weights(accelerator.unwrap_model(policy))
-            generator = vllm_generator
-        else:
-            generator = rollout.TransformersGenerator(accelerator.unwrap_model(policy), tokenizer, generation_config)
-        dialogues = runner.run(starts, generator)
-        policy.train()
-        rollout_time = time.perf_counter() - started
-        try:
-            rollout.check_failures(dialogues, dialogue_args.max_failed_share)
-        except rollout.TooManySimulatorFailures as error:
-            folder = output_dir / f"checkpoint-{step}"
-            if step > 0 and not folder.exists() and accelerator.is_main_process:
-                save_checkpoint(folder, step, policy, critic, policy_optimizer, critic_optimizer, accelerator)
-            saved = f"{folder} holds the state before it; continue with --resume" if step > 0 else "nothing to save yet"
-            raise SystemExit(f"stopped at step {step} ({saved}): {error}") from None
+            # 1. Rollout with the current policy.
+            policy.eval()
+            if vllm_generator is not None:
+                vllm_generator.push_weights(accelerator.unwrap_model(policy))
+                generator = vllm_generator
+            else:
+                generator = rollout.TransformersGenerator(accelerator.unwrap_model(policy), tokenizer, generation_config)
+            dialogues = runner.run(starts, generator)
+            policy.train()
+            rollout_time = time.perf_counter() - started
+            try:
+                rollout.check_failures(dialogues, dialogue_args.max_failed_share)
+            except rollout.TooManySimulatorFailures as error:
+                folder = output_dir / f"checkpoint-{step}"
+                if step > 0 and not folder.exists() and accelerator.is_main_process:
+                    save_checkpoint(folder, step, policy, critic, policy_optimizer, critic_optimizer, accelerator)
+                saved = f"{folder} holds the state before it; continue with --resume" if step > 0 else "nothing to save yet"
+                raise SystemExit(f"stopped at step {step} ({saved}): {error}") from None
 
-        # 2-4. Old log-probs and values, rewards on the last action, GAE over actions.
-        scored = [d for d in dialogues if d.failure is None]  # a failed simulator left no score: no rows
-        rewards_by_dialogue = [rollout.reward(d.final_emotion, d.format_violations, config.format_penalty)
-                               for d in scored]
-        rows, final_rewards = [], []
-        for dialogue, dialogue_reward in zip(scored, rewards_by_dialogue):
-            dialogue_rows = per_turn_rows(dialogue) if args.per_turn_rows else [dialogue_row(dialogue)]
-            rows += dialogue_rows
-            final_rewards += [dialogue_reward] * len(dialogue_rows)  # the rows of a dialogue share its reward
-        batch = pad_batch(rows, pad_id)
-        orders = [torch.randperm(len(rows)).tolist() for _ in range(args.ppo_epochs)]
-        old_logprobs, old_values, first_forward = old_logprobs_and_values(
-            policy, critic, batch, orders[0][:args.minibatch_size], args.temperature)
-        ref_logprobs = None
-        if reference is not None:
-            with torch.no_grad():
-                ref_logprobs, _ = token_logprobs(reference, batch["input_ids"], batch["attention_mask"],
-                                                 batch["action_mask"], args.temperature)
-        rewards = place_rewards(batch["action_mask"], final_rewards, old_logprobs, ref_logprobs, args.kl_coef)
-        advantages, returns = masked_gae(rewards, old_values, batch["action_mask"], args.gamma, args.lam)
-        batch.update(old_logprobs=old_logprobs, old_values=old_values, returns=returns,
-                     advantages=whiten(advantages, batch["action_mask"]))
+            # 2-4. Old log-probs and values, rewards on the last action, GAE over actions.
+            scored = [d for d in dialogues if d.failure is None]  # a failed simulator left no score: no rows
+            rewards_by_dialogue = [rollout.reward(d.final_emotion, d.format_violations, config.format_penalty)
+                                   for d in scored]
+            rows, final_rewards = [], []
+            for dialogue, dialogue_reward in zip(scored, rewards_by_dialogue):
+                dialogue_rows = per_turn_rows(dialogue) if args.per_turn_rows else [dialogue_row(dialogue)]
+                rows += dialogue_rows
+                final_rewards += [dialogue_reward] * len(dialogue_rows)  # the rows of a dialogue share its reward
+            batch = pad_batch(rows, pad_id)
+            orders = [torch.randperm(len(rows)).tolist() for _ in range(args.ppo_epochs)]
+            old_logprobs, old_values, first_forward = old_logprobs_and_values(
+                policy, critic, batch, orders[0][:args.minibatch_size], args.temperature)
+            ref_logprobs = None
+            if reference is not None:
+                with torch.no_grad():
+                    ref_logprobs, _ = token_logprobs(reference, batch["input_ids"], batch["attention_mask"],
+                                                     batch["action_mask"], args.temperature)
+            rewards = place_rewards(batch["action_mask"], final_rewards, old_logprobs, ref_logprobs, args.kl_coef)
+            advantages, returns = masked_gae(rewards, old_values, batch["action_mask"], args.gamma, args.lam)
+            batch.update(old_logprobs=old_logprobs, old_values=old_values, returns=returns,
+                         advantages=whiten(advantages, batch["action_mask"]))
 
-        # 5. PPO epochs over minibatches of dialogues.
-        stats = []
-        for epoch, indices in enumerate(orders):
-            for first in range(0, len(indices), args.minibatch_size):
-                minibatch = select_rows(batch, indices[first:first + args.minibatch_size])
-                outputs = first_forward if epoch == first == 0 else forward(policy, critic, minibatch, args.temperature)
-                policy_loss, value_loss, minibatch_stats = ppo_losses(*outputs, minibatch, args)
-                for loss, model, optimizer in ((policy_loss, policy, policy_optimizer), (value_loss, critic, critic_optimizer)):
-                    optimizer.zero_grad()
-                    accelerator.backward(loss)
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                stats.append(minibatch_stats)
+            # 5. PPO epochs over minibatches of dialogues.
+            stats = []
+            for epoch, indices in enumerate(orders):
+                for first in range(0, len(indices), args.minibatch_size):
+                    minibatch = select_rows(batch, indices[first:first + args.minibatch_size])
+                    outputs = first_forward if epoch == first == 0 else forward(policy, critic, minibatch, args.temperature)
+                    policy_loss, value_loss, minibatch_stats = ppo_losses(*outputs, minibatch, args)
+                    for loss, model, optimizer in ((policy_loss, policy, policy_optimizer), (value_loss, critic, critic_optimizer)):
+                        optimizer.zero_grad()
+                        accelerator.backward(loss)
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        optimizer.step()
+                    stats.append(minibatch_stats)
 
-        # Logging, transcripts, checkpoints.
-        metrics = rollout.dialogues_metrics(dialogues, config.max_turns)
-        metrics.update({key: sum(s[key] for s in stats) / len(stats) for key in stats[0]})
-        mask = batch["action_mask"]
-        unexplained = masked_mean((returns - old_values - masked_mean(returns - old_values, mask)) ** 2, mask)
-        spread = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-        metrics.update({"ppo/value_mean": masked_mean(old_values, mask).item(),
-                        "ppo/explained_variance": (1 - unexplained / spread.clamp(min=1e-8)).item()})
-        metrics.update({"reward": sum(rewards_by_dialogue) / len(rewards_by_dialogue), "step": step,
-                        "step_time": time.perf_counter() - started, "rollout_time": rollout_time})
-        rollout.write_transcripts(transcripts, dialogues, step=step)
-        with metrics_file.open("a", encoding="utf-8") as out:
-            out.write(json.dumps(metrics) + "\n")
-        if accelerator.is_main_process:
-            accelerator.print({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
-                               if not k.startswith("emotion/after")})
-        if args.report_to != "none":
-            accelerator.log(metrics, step=step)
-        if (step + 1) % args.save_steps == 0 and accelerator.is_main_process:
-            save_checkpoint(output_dir / f"checkpoint-{step + 1}", step + 1, policy, critic, policy_optimizer,
-                            critic_optimizer, accelerator)
+            # Logging, transcripts, checkpoints.
+            metrics = rollout.dialogues_metrics(dialogues, config.max_turns)
+            metrics.update({key: sum(s[key] for s in stats) / len(stats) for key in stats[0]})
+            mask = batch["action_mask"]
+            unexplained = masked_mean((returns - old_values - masked_mean(returns - old_values, mask)) ** 2, mask)
+            spread = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+            metrics.update({"ppo/value_mean": masked_mean(old_values, mask).item(),
+                            "ppo/explained_variance": (1 - unexplained / spread.clamp(min=1e-8)).item()})
+            metrics.update({"reward": sum(rewards_by_dialogue) / len(rewards_by_dialogue), "step": step,
+                            "step_time": time.perf_counter() - started, "rollout_time": rollout_time})
+            rollout.write_transcripts(transcripts, dialogues, step=step)
+            with metrics_file.open("a", encoding="utf-8") as out:
+                out.write(json.dumps(metrics) + "\n")
+            if accelerator.is_main_process:
+                accelerator.print({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
+                                   if not k.startswith("emotion/after")})
+            if args.report_to != "none":
+                accelerator.log(metrics, step=step)
+            if bar is not None:
+                bar.advance(len(dialogues), metrics.get("emotion/final_mean", float("nan")))
+            if (step + 1) % args.save_steps == 0 and accelerator.is_main_process:
+                save_checkpoint(output_dir / f"checkpoint-{step + 1}", step + 1, policy, critic, policy_optimizer,
+                                critic_optimizer, accelerator)
 
     if accelerator.is_main_process:
         accelerator.unwrap_model(policy).save_pretrained(output_dir)
         torch.save(accelerator.unwrap_model(critic).state_dict(), output_dir / "critic.pt")
     accelerator.end_training()
     runner.close()
+    accelerator.print(f"read the dialogues: python report.py {output_dir}")
 
 
 if __name__ == "__main__":

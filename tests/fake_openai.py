@@ -6,11 +6,17 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+def usage_of(body: dict, text: str) -> dict:
+    prompt = sum(len(m["content"].split()) for m in body["messages"])
+    return {"prompt_tokens": prompt, "completion_tokens": len(text.split()), "total_tokens": prompt + len(text.split())}
+
+
 class FakeOpenAIServer:
     """Answers /v1/chat/completions from a script. Each entry is a message text, or a fault:
     {"status": 500} an error response (with "retry_after": seconds, a Retry-After header),
     {"hang": seconds} no answer for that long (then "text", if given), {"truncated": True} a body
-    cut short of its Content-Length. Every request body is kept in `requests`."""
+    cut short of its Content-Length. Every request body is kept in `requests`. Answers report token
+usage as a server does, counting whitespace-separated words (`usage_of`)."""
 
     def __init__(self, script=(), models=("sim-model",), default=None, respond=None):
         self.respond = respond  # called with each request body once the script is used up: an entry as above
@@ -63,7 +69,8 @@ class FakeOpenAIServer:
                     text = entry["text"] if isinstance(entry, dict) else entry
                     self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
                                      "choices": [{"index": 0, "finish_reason": "stop",
-                                                  "message": {"role": "assistant", "content": text}}]},
+                                                  "message": {"role": "assistant", "content": text}}],
+                                     "usage": usage_of(body, text)},
                                truncated=isinstance(entry, dict) and entry.get("truncated", False))
 
         class Server(ThreadingHTTPServer):

@@ -6,7 +6,8 @@ Serves the simulated user's model from the scripted server on 127.0.0.1, answeri
 random with a fault: a 500, a 429 with Retry-After 0.2 s, a 3 s hang (the client gives up after
 1 s), a truncated body, an analysis without its CHANGE line, or an empty message; otherwise a valid
 answer. Then runs the PPO demo on the packaged model for a few steps and prints the server's counts
-next to what training logged: dialogues dropped and steps completed.
+next to what training logged: the client's calls, retries and failed calls, dialogues dropped and
+steps completed.
 """
 import argparse
 import collections
@@ -60,6 +61,9 @@ def main() -> None:
     dropped = sum(round(m["dialogue/ended_simulator_failed"] * 8) for m in metrics)
     print(f"server: {counts['requests']} requests; faults injected: "
           + ", ".join(f"{kind} {counts[kind]}" for kind in FAULTS))
+    calls = {name: sum(m[f"simulator/{name}"] for m in metrics) for name in ("calls", "retries", "failed_calls")}
+    print(f"client (as training logged it): {calls['calls']} calls, {calls['retries']} retries, "
+          f"{calls['failed_calls']} failed after retries")
     print(f"training: {len(metrics)} of {args.steps} steps completed, {dropped} of {dialogues} dialogues dropped, "
           f"exit status {finished.returncode}")
     if finished.returncode:

@@ -164,6 +164,30 @@ def test_server_errors_are_retried_by_the_client(make_profile):
     assert turns[0].change == 5
 
 
+def test_calls_retries_failures_and_tokens_are_counted_per_dialogue_and_client(make_profile):
+    from fake_openai import usage_of
+
+    async def two_dialogues(server):
+        chat = ChatClient(server.base_url, "sim-model", max_retries=1, timeout=0.5)
+        first, second = (LLMSimulator(make_profile(first_talk="Hi."), chat) for _ in range(2))
+        for sim in (first, second):
+            await sim.open()
+        await first.respond("a")  # a 500, a hang and a truncated body, each retried once
+        with pytest.raises(SimulatorError):
+            await second.respond("b")  # two 503s: past its one retry
+        return chat, first, second
+
+    script = [{"status": 500}, analysis(+5), {"hang": 2}, "Okay.", {"status": 503}, {"status": 503}]
+    with FakeOpenAIServer(script) as server:
+        chat, first, second = run(two_dialogues(server))
+        answered = [body for body, entry in zip(server.requests, script) if isinstance(entry, str)]
+    expected_prompt = sum(usage_of(body, "")["prompt_tokens"] for body in answered)
+    assert (first.calls.calls, first.calls.attempts, first.calls.retries, first.calls.failed) == (2, 4, 2, 0)
+    assert (first.calls.prompt_tokens, first.calls.completion_tokens) == (expected_prompt, len((analysis(+5) + " Okay.").split()))
+    assert (second.calls.calls, second.calls.attempts, second.calls.failed, second.calls.prompt_tokens) == (1, 2, 1, 0)
+    assert (chat.totals.calls, chat.totals.attempts, chat.totals.failed) == (3, 6, 1)
+
+
 def test_persistent_server_errors_fail_with_the_endpoint_named(make_profile):
     with FakeOpenAIServer([{"status": 503}] * 4) as server:
         with pytest.raises(SimulatorError, match=r"127\.0\.0\.1.*failed after retries"):
@@ -246,3 +270,23 @@ def test_chinese_profiles_get_chinese_prompts(official_profiles):
     with FakeOpenAIServer(turn_script(+5)) as server:
         run(dialogue(server, profile, ["hello"], language="en"))
         assert "hidden theme" in server.requests[0]["messages"][0]["content"]
+
+
+def test_prompts_put_the_static_persona_first_so_servers_can_cache_the_prefix(make_profile):
+    """Provider-side prefix caching reuses the longest shared start of a request: every call of a
+    dialogue starts with the same system message (persona, scene, style; nothing that changes), and
+    each turn's analysis request extends the previous one through the whole earlier dialogue."""
+    profile = make_profile(first_talk="Hi.")
+    with FakeOpenAIServer(turn_script(+3, +3, +3)) as server:
+        run(dialogue(server, profile, ["first reply", "second reply", "third reply"]))
+    systems = {body["messages"][0]["content"] for body in server.requests}
+    assert len(systems) == 1 and all(body["messages"][0]["role"] == "system" for body in server.requests)
+    [system] = systems
+    assert profile.player in system and profile.scene in system and "$" not in system
+    for name in ("emotion", "state", "change", "reply", "dialogue"):  # the per-turn fields come later
+        assert simulator.load_prompt("en", "system").template.count(f"${name}") == 0
+    analyses = [body["messages"][1]["content"] for body in server.requests if "CHANGE" in body["messages"][1]["content"]]
+    assert len(analyses) == 3
+    for earlier, later in zip(analyses, analyses[1:]):
+        dialogue_so_far = earlier[:earlier.index("\n\nTheir newest reply")]
+        assert later.startswith(dialogue_so_far) and len(dialogue_so_far) > 100

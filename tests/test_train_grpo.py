@@ -21,8 +21,11 @@ def test_reward_reads_the_final_emotion_not_the_completion_text():
     rewards = reward(completions=["I am thrilled, 100/100!", "meh"], final_emotion=[20, 90], format_violations=[0, 1],
                      turns=[2, 2], end_reason=["turn_limit", "turn_limit"], think_tokens=[0, 0], reply_tokens=[9, 9],
                      simulator_seconds=[0.1, 0.1], emotions=[[25, 20], [60, 90]], failed=[False, False],
+                     simulator_calls=[{"calls": 4, "attempts": 5, "failed": 0, "prompt_tokens": 900, "completion_tokens": 60},
+                                      {"calls": 4, "attempts": 4, "failed": 0, "prompt_tokens": 800, "completion_tokens": 50}],
                      log_metric=lambda name, value: logged.__setitem__(name, value))
     assert rewards == pytest.approx([0.2, 0.7])
+    assert (logged["simulator/calls"], logged["simulator/retries"], logged["simulator/prompt_tokens"]) == (8, 1, 1700)
     assert logged["emotion/final_mean"] == 55 and logged["emotion/after_turn_1"] == 42.5
     assert logged["format/violation_rate"] == 0.25 and logged["dialogue/ended_turn_limit"] == 1
 
@@ -32,7 +35,7 @@ def test_a_dialogue_whose_simulator_failed_gets_no_reward_so_trl_gives_it_zero_a
     rewards = reward(completions=["a", "b", "c"], final_emotion=[40, 30, 50], format_violations=[0, 0, 0],
                      turns=[1, 1, 1], end_reason=["turn_limit", "simulator_failed", "turn_limit"],
                      think_tokens=[0, 0, 0], reply_tokens=[5, 5, 5], simulator_seconds=[0.1, 0.1, 0.1],
-                     emotions=[[40], [30], [50]], failed=[False, True, False])
+                     emotions=[[40], [30], [50]], failed=[False, True, False], simulator_calls=[{}] * 3)
     assert rewards[0] == pytest.approx(0.4) and rewards[1] is None and rewards[2] == pytest.approx(0.5)
 
 
@@ -125,3 +128,11 @@ def test_a_run_killed_mid_step_resumes_without_losing_or_doubling_a_step(tiny_mo
     assert collections.Counter(steps) == {0: 4, 1: 4, 2: 4, 3: 4}
     history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
     assert [entry["step"] for entry in history if "emotion/final_mean" in entry] == [1, 2, 3, 4]
+
+
+def test_impossible_option_values_are_refused_before_any_model_loads(tmp_path):
+    finished = subprocess.run([sys.executable, str(REPO / "train_grpo.py"), "--output_dir", str(tmp_path / "run"),
+                               "--max_turns", "0", "--simulator_max_retries", "-1"], capture_output=True, text=True,
+                              timeout=120)
+    assert finished.returncode == 2 and "Traceback" not in finished.stderr
+    assert finished.stderr.strip().splitlines()[-1].endswith("--max_turns 0: must be at least 1")

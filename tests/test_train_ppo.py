@@ -76,6 +76,9 @@ def run_ppo(tiny_model_dir, output_dir, *flags, launcher=(sys.executable,)):
                                 *flags]
     finished = subprocess.run(command, cwd=output_dir.parent, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-3000:]
+    # The progress bar (written once when not on a terminal) and the pointer to the report.
+    assert "PPO dialogues" in finished.stdout and "mean emotion" in finished.stdout
+    assert f"read the dialogues: python report.py {output_dir}" in finished.stdout
     transcripts = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return transcripts, metrics
@@ -262,6 +265,9 @@ def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes
     assert collections.Counter(row["step"] for row in rows) == {0: 2, 1: 2}
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1]
+    # Step 1 as replayed: 2 dialogues x 2 turns x (analysis + message), no retry, tokens as the server counted.
+    assert (metrics[1]["simulator/calls"], metrics[1]["simulator/retries"], metrics[1]["simulator/failed_calls"]) == (8, 0, 0)
+    assert metrics[1]["simulator/completion_tokens"] == 8 * len(answer.split()) and metrics[1]["simulator/prompt_tokens"] > 0
 
 
 def test_a_run_killed_mid_step_resumes_without_losing_or_doubling_a_step(tiny_model_dir, tmp_path):
@@ -290,3 +296,16 @@ def test_a_wrong_simulator_endpoint_fails_in_seconds_before_any_model_loads(tiny
     assert finished.returncode != 0 and "Traceback" not in finished.stderr
     assert finished.stderr.strip().splitlines()[-1].startswith("error: cannot reach the simulator endpoint http://127.0.0.1:9/v1")
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gamma", "1.5"], "--gamma 1.5: must be within 0-1"),
+    (["--max_turns", "0"], "--max_turns 0: must be at least 1"),
+    (["--max_failed_share", "-0.1"], "--max_failed_share -0.1: must be within 0-1"),
+    (["--simulator_timeout", "0"], "--simulator_timeout 0.0: must be above 0"),
+    (["--learning_rate", "0", "--minibatch_size", "0"], "--learning_rate 0.0: must be above 0; --minibatch_size 0"),
+])
+def test_impossible_option_values_are_refused_at_parsing_with_the_option_named(argv, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        train_ppo.parse_arguments(argv)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
