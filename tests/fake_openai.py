@@ -75,6 +75,7 @@ usage as a server does, counting whitespace-separated words (`usage_of`)."""
 
         class Server(ThreadingHTTPServer):
             daemon_threads = True
+            request_queue_size = 256  # the default backlog (5) refuses connections when many calls start at once
 
             def handle_error(self, request, client_address):
                 pass  # a client that gave up on a hanging answer leaves a broken pipe: expected here

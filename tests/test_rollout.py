@@ -336,3 +336,16 @@ def test_think_dialogues_with_the_prefix_cache_match_fresh_prefills_token_for_to
     fresh = run(tokenizer, lambda c, b, stop=None: greedy_generator(model, tokenizer)(c, b, stop=stop), starts, **settings)
     assert [d.completion_ids for d in reused] == [d.completion_ids for d in fresh]
     assert [d.env_mask for d in reused] == [d.env_mask for d in fresh]
+
+
+def test_the_throughput_benchmark_runs_and_reports_its_ratios():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "rollout_bench.py"
+    finished = subprocess.run([sys.executable, str(script), "--dialogues", "3", "--turns", "2", "--median", "0.02",
+                               "--reply_tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert "efficiency (c)/(a):" in finished.stdout and "speed-up (b)/(a):" in finished.stdout
+    assert "3 dialogues x 2 turns" in finished.stdout and "12 calls a run" in finished.stdout  # 3 x 2 x (analysis + reply)

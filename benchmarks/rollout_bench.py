@@ -1,0 +1,183 @@
+"""Rollout throughput: does a step cost what its slowest simulator calls cost, or their sum?
+
+    python benchmarks/rollout_bench.py                      # 32 dialogues x 4 turns, median 0.3 s a call
+    python benchmarks/rollout_bench.py --dialogues 64 --turns 8 --sigma 1.0 --policy smollm2-135m-instruct
+
+Plays the same dialogues twice through `rollout.DialogueRunner` against a fake OpenAI-compatible
+simulator on 127.0.0.1 (tests/fake_openai.py) whose every call waits a log-normal latency and
+reports token usage:
+  (a) our rollout, simulator calls of all dialogues concurrent (`--simulator_concurrency`);
+  (b) the same rollout one simulator call at a time (concurrency 1: the original design);
+  (c) the ideal: policy generation time of (a) plus, for each turn, the slowest dialogue's simulator
+      turn (its analysis and reply latencies together).
+A call's latency is a function of its messages, so both runs wait exactly the same latencies; the
+policy decodes greedily, each reply its full token budget, so both runs play exactly the same
+dialogues (checked). The policy is a tiny random Llama on the real SmolLM2 tokenizer unless
+`--policy` names a model: its time is the same in (a), (b) and (c), and a small one leaves the
+simulator's share in view.
+"""
+import argparse
+import hashlib
+import json
+import math
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+import torch  # noqa: E402
+from fake_openai import FakeOpenAIServer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import rollout  # noqa: E402
+import simulator  # noqa: E402
+
+
+def latency_of(messages: list[dict], median: float, sigma: float) -> float:
+    """A call's latency, drawn from a log-normal seeded by the call's messages."""
+    digest = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).digest()
+    return random.Random(digest).lognormvariate(math.log(median), sigma)
+
+
+class LatencyServer:
+    """The fake simulator: sleeps each call's latency, answers an analysis (a small rise) or a user
+    message, and keeps (start, latency) per call to count the calls in flight."""
+
+    def __init__(self, median: float, sigma: float):
+        self.median, self.sigma, self.calls, self.lock = median, sigma, [], threading.Lock()
+        self.server = FakeOpenAIServer(respond=self.respond)
+
+    def respond(self, body: dict) -> dict:
+        wait = latency_of(body["messages"], self.median, self.sigma)
+        with self.lock:
+            self.calls.append((time.perf_counter(), wait))
+        is_analysis = "CHANGE" in body["messages"][-1]["content"]
+        text = ("They took up what I said about my week.\nCHANGE: +3" if is_analysis
+                else "Yeah. It has been a long week, and nobody at work noticed.")
+        return {"hang": wait, "text": text}
+
+    def in_flight(self, since: float) -> tuple[float, int]:
+        """(time-weighted mean, max) of calls in flight since `since`, over the time any was in flight."""
+        events = sorted([(start, 1) for start, _ in self.calls if start >= since]
+                        + [(start + wait, -1) for start, wait in self.calls if start >= since])
+        busy = weighted = 0.0
+        level = peak = 0
+        for (at, change), (following, _) in zip(events, events[1:] + [events[-1]]):
+            level += change
+            peak = max(peak, level)
+            if level:
+                busy += following - at
+                weighted += level * (following - at)
+        return (weighted / busy if busy else 0.0), peak
+
+
+class TimedChat(simulator.ChatClient):
+    """The real client; also notes each call's latency under the dialogue it belongs to (its stats)."""
+
+    def __init__(self, *args, median: float, sigma: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.median, self.sigma, self.latencies = median, sigma, {}
+
+    async def complete(self, messages, seed=None, stats=None):
+        self.latencies.setdefault(id(stats), []).append(latency_of(messages, self.median, self.sigma))
+        return await super().complete(messages, seed=seed, stats=stats)
+
+
+class TimedGenerator:
+    """The policy's generator, timing its calls."""
+
+    def __init__(self, generate):
+        self.generate, self.seconds = generate, 0.0
+
+    def __call__(self, contexts, max_new_tokens, stop=None):
+        started = time.perf_counter()
+        try:
+            return self.generate(contexts, max_new_tokens, stop=stop)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+def load_policy(name: str):
+    if name != "tiny":
+        path = simulator.resolve_model(name)
+        return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(simulator.resolve_model(simulator.PACKAGED_MODEL))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval(), tokenizer
+
+
+def play(args, model, tokenizer, base_url: str, concurrency: int, starts) -> dict:
+    chat = TimedChat(base_url, "sim-model", median=args.median, sigma=args.sigma, timeout=60, max_retries=0)
+    config = rollout.RolloutConfig(max_turns=args.turns, max_reply_tokens=args.reply_tokens, max_dialogue_tokens=4096,
+                                   start_emotion=50, simulator_concurrency=concurrency)
+    runner = rollout.DialogueRunner(tokenizer, config, chat)
+    # Greedy, each reply its full budget: both runs play the same dialogues, of the length sampling
+    # would give (on CPU, torch.multinomial over a 49k vocabulary would be most of a tiny model's time).
+    generation = GenerationConfig(do_sample=False, min_new_tokens=args.reply_tokens, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id)
+    generate = TimedGenerator(rollout.TransformersGenerator(model, tokenizer, generation))
+    started = time.perf_counter()
+    dialogues = runner.run(starts, generate)
+    wall = time.perf_counter() - started
+    runner.close()
+    turn_latencies = [[sum(calls[i:i + 2]) for i in range(0, len(calls), 2)]  # analysis + reply, per turn
+                      for calls in (chat.latencies[id(d.simulator.calls)] for d in dialogues)]
+    slowest = [max(lat[t] for lat in turn_latencies if t < len(lat)) for t in range(max(map(len, turn_latencies)))]
+    return {"wall": wall, "policy": generate.seconds, "started": started, "dialogues": dialogues,
+            "turn_latencies": turn_latencies, "ideal": generate.seconds + sum(slowest), "totals": chat.totals}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dialogues", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--median", type=float, default=0.3, help="median seconds per simulator call")
+    parser.add_argument("--sigma", type=float, default=0.5, help="log-normal sigma of the latency")
+    parser.add_argument("--reply_tokens", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=rollout.DialogueArguments.simulator_concurrency,
+                        help="our rollout's simulator concurrency (default: the scripts' default)")
+    parser.add_argument("--policy", default="tiny", help="'tiny' (random, 2 layers) or a model path / packaged name")
+    args = parser.parse_args()
+    rollout.use_all_cpu_cores()
+    model, tokenizer = load_policy(args.policy)
+    profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES)
+    chosen = [profiles[i % len(profiles)] for i in range(args.dialogues)]
+    openings = {p.id: f"Hi. I need to talk about something that happened to me ({p.id})." for p in chosen}
+    starts = [(p, openings[p.id]) for p in chosen]
+
+    server = LatencyServer(args.median, args.sigma)
+    with server.server:
+        ours = play(args, model, tokenizer, server.server.base_url, args.concurrency, starts)
+        mean_in_flight, max_in_flight = server.in_flight(ours["started"])
+        sequential = play(args, model, tokenizer, server.server.base_url, 1, starts)
+    for run in (ours, sequential):
+        if run["totals"].failed or run["totals"].retries:
+            raise SystemExit(f"the fake simulator failed {run['totals'].failed} calls and retried {run['totals'].retries}")
+    same = [d.completion_ids for d in ours["dialogues"]] == [d.completion_ids for d in sequential["dialogues"]]
+    if not same or ours["turn_latencies"] != sequential["turn_latencies"]:
+        raise SystemExit("the two runs did not play the same dialogues with the same latencies")
+    totals, n = ours["totals"], args.dialogues
+
+    print(f"{n} dialogues x {args.turns} turns; simulator latency log-normal, median {args.median} s, sigma "
+          f"{args.sigma}; policy: {args.policy}; {totals.calls} calls a run")
+    print(f"| run | wall time (s) |\n| --- | --- |")
+    print(f"| (a) ours, concurrency {args.concurrency} | {ours['wall']:.2f} |")
+    print(f"| (b) one simulator call at a time | {sequential['wall']:.2f} |")
+    print(f"| (c) ideal: policy {ours['policy']:.2f} s + slowest simulator turn per turn | {ours['ideal']:.2f} |")
+    print(f"efficiency (c)/(a): {ours['ideal'] / ours['wall']:.3f}")
+    print(f"speed-up (b)/(a): {sequential['wall'] / ours['wall']:.1f}x")
+    print(f"simulator calls in flight while any is: mean {mean_in_flight:.1f}, max {max_in_flight}")
+    print(f"simulator tokens per dialogue: {totals.prompt_tokens / n:.0f} prompt, {totals.completion_tokens / n:.0f} "
+          "completion (whitespace words, as the fake server counts them)")
+
+
+if __name__ == "__main__":
+    main()
