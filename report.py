@@ -211,13 +211,13 @@ def _filter_attributes(view: dict) -> str:
     return " ".join(f'data-{name}="{html.escape(str(view[name]))}"' for name in ("intention", "personality", "outcome"))
 
 
-def dialogue_block(view: dict) -> str:
+def dialogue_block(view: dict, expanded: bool = False) -> str:
     step = f"step {view['step']} &middot; " if view["step"] is not None else ""
     start = view["trajectory"][0] if view["trajectory"] else "?"
     summary = (f"{step}{html.escape(view['id'])} &middot; {html.escape(view['intention'])} &middot; "
                f"{html.escape(view['personality'])} &middot; {start} &rarr; <b>{view['final']}</b> &middot; "
                f"{html.escape(view['outcome'])}")
-    return (f'<details class="dialogue" {_filter_attributes(view)}><summary>{summary}</summary>'
+    return (f'<details class="dialogue" {_filter_attributes(view)}{" open" if expanded else ""}><summary>{summary}</summary>'
             f'<div class="body">{trajectory_chart([view["trajectory"]])}{conversation(view)}</div></details>')
 
 
@@ -228,14 +228,15 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def pair_block(a: dict, b: dict) -> str:
+def pair_block(a: dict, b: dict, expanded: bool = False) -> str:
     turn = first_divergence(a["trajectory"], b["trajectory"])
     where = "same trajectory" if turn is None else f"diverge after turn {turn}"
     step = f"step {a['step']} &middot; " if a["step"] is not None else ""
     summary = (f"{step}{html.escape(a['id'])} &middot; {html.escape(a['intention'])} &middot; "
                f"{html.escape(a['personality'])} &middot; A <b>{a['final']}</b> / B <b>{b['final']}</b> "
                f"({b['final'] - a['final']:+d}) &middot; {where}")
-    return (f'<details class="dialogue pair" {_filter_attributes(b)} data-divergence="{"" if turn is None else turn}">'
+    return (f'<details class="dialogue pair" {_filter_attributes(b)} data-divergence="{"" if turn is None else turn}"'
+            f'{" open" if expanded else ""}>'
             f'<summary>{summary}</summary>{trajectory_chart([a["trajectory"], b["trajectory"]])}'
             f'<div class="sides"><div><h4 style="color:{COLORS[0]}">A</h4>{conversation(a)}</div>'
             f'<div><h4 style="color:{COLORS[1]}">B</h4>{conversation(b)}</div></div></details>')
@@ -289,7 +290,8 @@ def run_report(path: Path) -> str:
                 histogram([[v["final"] for v in views]])]
     if any(v["step"] is not None for v in views):
         sections += ["<h2>Per training step</h2>", step_chart([v for v in views if v["step"] is not None])]
-    sections += [f"<h2>Dialogues ({len(views)})</h2>", filters(views), *map(dialogue_block, views)]
+    sections += [f"<h2>Dialogues ({len(views)})</h2>", filters(views),  # the first one open, as an example
+                 *(dialogue_block(view, expanded=index == 0) for index, view in enumerate(views))]
     return page(f"Dialogues: {path}", sections)
 
 
@@ -312,7 +314,7 @@ def compare_report(path_a: Path, path_b: Path) -> str:
                 summary_table(["A", "B"], [summary_figures([a for a, _ in pairs]), summary_figures([b for _, b in pairs])]),
                 "<h2>Final emotions</h2>", histogram([[a["final"] for a, _ in pairs], [b["final"] for _, b in pairs]]),
                 f"<h2>Pairs ({len(pairs)}), largest difference first</h2>", filters([b for _, b in pairs]),
-                *(pair_block(a, b) for a, b in pairs)]
+                *(pair_block(a, b, expanded=index == 0) for index, (a, b) in enumerate(pairs))]
     return page(f"Compare: {path_a} vs {path_b}", sections)
 
 
