@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 import simulator
 
@@ -235,7 +236,7 @@ class TransformersGenerator:
     def _remember(self, output, attention_mask, contexts, sampled) -> None:
         """Keep the cache for the next call if it is a plain one (full attention, no sliding window)."""
         cache = output.cache
-        if cache is None or any(type(layer).__name__ != "DynamicLayer" for layer in getattr(cache, "layers", [None])):
+        if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
             self.cached = None
             return
         fed = output.sequences[:, :cache.get_seq_length()]  # the last sampled token was never fed
@@ -595,12 +596,12 @@ class DialogueProgress:
     """A rich progress bar of dialogues played, with the mean final emotion the caller reports.
     On a terminal it redraws in place; in a log file it is written once, at the end."""
 
-    def __init__(self, total: int, completed: int = 0, description: str = "dialogues"):
+    def __init__(self, total: int, completed: int = 0, description: str = "dialogues", show: bool = True):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("mean emotion {task.fields[mean_emotion]}"), TimeElapsedColumn(),
-                                 TimeRemainingColumn())
+                                 TimeRemainingColumn(), disable=not show)
         self.task = self.progress.add_task(description, total=total, completed=completed, mean_emotion="-")
 
     def __enter__(self):

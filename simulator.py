@@ -60,7 +60,7 @@ import re
 import string
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parent
@@ -278,8 +278,14 @@ class CallStats:
         return self.attempts - self.calls
 
     def add(self, other: "CallStats") -> None:
-        for name in ("calls", "attempts", "failed", "prompt_tokens", "completion_tokens"):
+        for name in (f.name for f in fields(self)):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def add_to(self, *counters: "CallStats | None") -> None:
+        """Count this call in each counter given (a client's totals, a dialogue's; None is skipped)."""
+        for counter in counters:
+            if counter is not None:
+                counter.add(self)
 
 
 @dataclass
@@ -515,9 +521,7 @@ class ChatClient:
             raise SimulatorError(f"{self.role} endpoint {self.base_url} failed after retries: {error}") from None
         finally:
             _CURRENT_CALL.reset(token)
-            for counter in (self.totals, stats):
-                if counter is not None:
-                    counter.add(call)
+            call.add_to(self.totals, stats)
         if not response.choices:
             return ""
         return response.choices[0].message.content or ""
@@ -559,9 +563,7 @@ class LocalChat:
 
     async def complete(self, messages: list[dict], stats: CallStats | None = None) -> str:
         text, call = await asyncio.to_thread(self._generate, messages)
-        for counter in (self.totals, stats):
-            if counter is not None:
-                counter.add(call)
+        call.add_to(self.totals, stats)
         return text
 
 

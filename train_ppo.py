@@ -29,7 +29,6 @@ its earlier thoughts, as in train_grpo.py); `--per_turn_rows` trains the paper's
 each policy turn a row whose context drops earlier thoughts, all rows sharing the dialogue's
 reward. Logged metrics and transcripts are those of train_grpo.py, plus ppo/* losses.
 """
-import contextlib
 import json
 import random
 import time
@@ -396,9 +395,8 @@ def main(argv=None) -> None:
     profile_order = []
 
     per_step_dialogues = args.profiles_per_step * args.dialogues_per_profile  # this rank's
-    progress = (rollout.DialogueProgress(args.max_steps * per_step_dialogues, start_step * per_step_dialogues,
-                                         "PPO dialogues") if accelerator.is_main_process else contextlib.nullcontext())
-    with progress as bar:  # None on the other ranks
+    with rollout.DialogueProgress(args.max_steps * per_step_dialogues, start_step * per_step_dialogues,
+                                  "PPO dialogues", show=accelerator.is_main_process) as bar:
         for step in range(start_step, args.max_steps):
             started = time.perf_counter()
             per_step = args.profiles_per_step * accelerator.num_processes  # each rank plays its own profiles
@@ -482,8 +480,7 @@ def main(argv=None) -> None:
                                    if not k.startswith("emotion/after")})
             if args.report_to != "none":
                 accelerator.log(metrics, step=step)
-            if bar is not None:
-                bar.advance(len(dialogues), metrics.get("emotion/final_mean", float("nan")))
+            bar.advance(len(dialogues), metrics.get("emotion/final_mean", float("nan")))
             if (step + 1) % args.save_steps == 0 and accelerator.is_main_process:
                 save_checkpoint(output_dir / f"checkpoint-{step + 1}", step + 1, policy, critic, policy_optimizer,
                                 critic_optimizer, accelerator)

@@ -59,6 +59,22 @@ def write_jsonl(path, rows):
     return path
 
 
+SIMULATOR_ANSWER = "Fine.\nCHANGE: +5"  # serves as an analysis and as a user message
+
+
+def run_against_simulator(command: list, *flags: str, answered: int | None = None):
+    """Run a training command against a scripted simulator endpoint on 127.0.0.1 that answers every
+    call, or only the first `answered` ones and then 500s (past the client's retries)."""
+    import subprocess
+
+    from fake_openai import FakeOpenAIServer
+
+    script, default = ([SIMULATOR_ANSWER] * answered, None) if answered is not None else ((), SIMULATOR_ANSWER)
+    with FakeOpenAIServer(script, default=default) as server:
+        return subprocess.run(command + ["--base_url", server.base_url, *flags], capture_output=True, text=True,
+                              timeout=300)
+
+
 def kill_when(process, ready, seconds: float = 240) -> None:
     """SIGKILL `process` as soon as `ready()` holds (or after `seconds`): a run dying mid-step."""
     import signal

@@ -79,8 +79,7 @@ def test_a_two_step_run_completes_and_writes_transcripts_and_metrics(tiny_model_
 def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes(tiny_model_dir, tmp_path):
     """Step 0 is answered; then the endpoint answers 500 past the client's retries, so step 1 loses
     every simulator: the run saves a full Trainer checkpoint, stops clearly, and resumes from it."""
-    from conftest import profile_row, write_jsonl
-    from fake_openai import FakeOpenAIServer
+    from conftest import profile_row, run_against_simulator, write_jsonl
 
     profiles = write_jsonl(tmp_path / "profiles.jsonl", [profile_row(first_talk="My week was awful.")])
     output_dir = tmp_path / "run"
@@ -88,20 +87,14 @@ def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes
                "--output_dir", str(output_dir), "--max_turns", "2", "--max_reply_tokens", "6",
                "--num_generations", "2", "--per_device_train_batch_size", "2", "--profiles", str(profiles),
                "--backend", "llm", "--simulator_model", "sim-model"]
-    answer = "Fine.\nCHANGE: +5"  # serves as an analysis and as a user message
-    with FakeOpenAIServer([answer] * 8, default=None) as server:  # 2 dialogues x 2 turns x 2 calls, then 500s
-        stopped = subprocess.run(command + ["--base_url", server.base_url, "--max_steps", "3"],
-                                 capture_output=True, text=True, timeout=300)
+    stopped = run_against_simulator(command, "--max_steps", "3", answered=8)  # 2 dialogues x 2 turns x 2 calls
     assert stopped.returncode != 0
     assert "stopped at step 1" in stopped.stderr and "2 of 2 dialogues lost their simulator" in stopped.stderr
     checkpoint = output_dir / "checkpoint-1"
     assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "optimizer.pt").is_file()
     rows = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 0]  # the failed step wrote nothing
-    with FakeOpenAIServer(default=answer) as server:
-        resumed = subprocess.run(command + ["--base_url", server.base_url, "--max_steps", "2",
-                                            "--resume_from_checkpoint", str(checkpoint)],
-                                 capture_output=True, text=True, timeout=300)
+    resumed = run_against_simulator(command, "--max_steps", "2", "--resume_from_checkpoint", str(checkpoint))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 0, 1, 1]

@@ -239,8 +239,7 @@ def test_old_log_probs_and_values_are_those_of_plain_no_grad_passes(tiny_model_d
 def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes(tiny_model_dir, tmp_path):
     """Step 0 is answered; from then on the endpoint answers 500 (past the client's retries), so every
     dialogue of step 1 loses its simulator: the run saves, stops with a clear error and resumes later."""
-    from conftest import profile_row, write_jsonl
-    from fake_openai import FakeOpenAIServer
+    from conftest import SIMULATOR_ANSWER, profile_row, run_against_simulator, write_jsonl
 
     profiles = write_jsonl(tmp_path / "profiles.jsonl", [profile_row(first_talk="My week was awful.")])
     output_dir = tmp_path / "run"
@@ -248,18 +247,13 @@ def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes
                "--output_dir", str(output_dir), "--max_turns", "2", "--max_reply_tokens", "6",
                "--profiles", str(profiles), "--profiles_per_step", "1", "--dialogues_per_profile", "2",
                "--backend", "llm", "--simulator_model", "sim-model", "--save_steps", "10"]
-    answer = "Fine.\nCHANGE: +5"  # serves as an analysis and as a user message
-    with FakeOpenAIServer([answer] * 8, default=None) as server:  # 2 dialogues x 2 turns x 2 calls, then 500s
-        stopped = subprocess.run(command + ["--base_url", server.base_url, "--max_steps", "3"],
-                                 capture_output=True, text=True, timeout=300)
+    stopped = run_against_simulator(command, "--max_steps", "3", answered=8)  # 2 dialogues x 2 turns x 2 calls
     assert stopped.returncode != 0
     assert "stopped at step 1" in stopped.stderr and "2 of 2 dialogues lost their simulator" in stopped.stderr
     assert (output_dir / "checkpoint-1").is_dir()
     rows = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 0]  # the failed step wrote nothing
-    with FakeOpenAIServer(default=answer) as server:
-        resumed = subprocess.run(command + ["--base_url", server.base_url, "--max_steps", "2", "--resume"],
-                                 capture_output=True, text=True, timeout=300)
+    resumed = run_against_simulator(command, "--max_steps", "2", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
     assert collections.Counter(row["step"] for row in rows) == {0: 2, 1: 2}
@@ -267,7 +261,7 @@ def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes
     assert [m["step"] for m in metrics] == [0, 1]
     # Step 1 as replayed: 2 dialogues x 2 turns x (analysis + message), no retry, tokens as the server counted.
     assert (metrics[1]["simulator/calls"], metrics[1]["simulator/retries"], metrics[1]["simulator/failed_calls"]) == (8, 0, 0)
-    assert metrics[1]["simulator/completion_tokens"] == 8 * len(answer.split()) and metrics[1]["simulator/prompt_tokens"] > 0
+    assert metrics[1]["simulator/completion_tokens"] == 8 * len(SIMULATOR_ANSWER.split()) and metrics[1]["simulator/prompt_tokens"] > 0
 
 
 def test_a_run_killed_mid_step_resumes_without_losing_or_doubling_a_step(tiny_model_dir, tmp_path):
