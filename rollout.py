@@ -47,10 +47,14 @@ from pathlib import Path
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import simulator
 
 PROMPTS_DIR = simulator.PROMPTS_DIR
+# transformers 5.24 renamed generate's `past_key_values` (argument and output field) to `cache`; the GPU set
+# (requirements-gpu.txt) has 5.17, which vLLM 0.31 requires. Both are tested.
+GENERATE_CACHE_NAME = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 MIN_REPLY_TOKENS = 8  # a dialogue that cannot leave this many tokens for the next reply ends
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 END_REASONS = ("farewell", "gave_up", "goodbye", "turn_limit", "token_budget", "simulator_failed")
@@ -157,8 +161,7 @@ class ChatSegments:
                              "multi-turn token-level rollouts need a prefix-stable template")
         self.close_text = closed[closed.rindex(marker_reply) + len(marker_reply):]  # e.g. "<|im_end|>\n"
         self.user_prefix, self.user_suffix = extended[len(closed):].split(marker_user)
-        self.eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(tokenizer, "eos_token_ids", None)))
-        self.eos_ids.discard(None)
+        self.eos_ids = end_of_turn_ids(tokenizer)
         self.think_open, self.think_close = self.encode(THINK_OPEN), self.encode(THINK_CLOSE)
 
     def encode(self, text: str) -> list[int]:
@@ -178,6 +181,20 @@ class ChatSegments:
 
     def user_turn_ids(self, message: str) -> list[int]:
         return self.encode(self.user_prefix + message + self.user_suffix)
+
+
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """Every id that ends a policy turn: the tokenizer's end token and the end tokens of the model's
+    generation config, which vLLM stops at too (Qwen2.5 ends turns with <|im_end|> or <|endoftext|>)."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} | set(_as_list(getattr(tokenizer, "eos_token_ids", None)))
+    try:
+        ids |= set(_as_list(GenerationConfig.from_pretrained(tokenizer.name_or_path).eos_token_id))
+    except OSError:  # no generation_config.json: the tokenizer's end token is all there is
+        pass
+    ids.discard(None)
+    return ids
 
 
 def _as_list(value):
@@ -223,7 +240,8 @@ class TransformersGenerator:
         config.stop_strings = [stop] if stop else None
         config.return_dict_in_generate = True  # with the cache, for the next call
         output = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                     generation_config=config, tokenizer=self.tokenizer, cache=cache)
+                                     generation_config=config, tokenizer=self.tokenizer,
+                                     **{GENERATE_CACHE_NAME: cache})
         width = input_ids.shape[1]
         sampled = []
         for row, limit in zip(output.sequences[:, width:].tolist(), max_new_tokens):
@@ -235,7 +253,7 @@ class TransformersGenerator:
 
     def _remember(self, output, attention_mask, contexts, sampled) -> None:
         """Keep the cache for the next call if it is a plain one (full attention, no sliding window)."""
-        cache = output.cache
+        cache = getattr(output, GENERATE_CACHE_NAME)
         if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
             self.cached = None
             return
@@ -290,26 +308,42 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 class VLLMGenerator:
     """Sampling through TRL's vLLM backend (`use_vllm=True`, colocate or server mode); TRL syncs the
-    weights before the rollout is called. Not testable here (no vLLM on CPU).
+    weights before the rollout is called. Rehearsed on CPU with a fake vLLM (tests/fake_vllm).
 
-    Every rank must make the same number of calls (server mode gathers prompts across ranks), so
-    the rollout calls this once per turn up to max_turns, with an empty batch when a rank is done."""
+    TRL's server mode gathers every rank's prompts on rank 0, samples them all with rank 0's token
+    budget and hands each rank back the slice `rank * len(own prompts)`: correct only when every rank
+    sends the same number of prompts. Colocate mode with tensor parallelism slices the same way within
+    its group. Our dialogues end at different turns, so the ranks first agree on the largest count and
+    budget of the call; a rank with fewer contexts pads with one-token dummy prompts whose completions it
+    drops. When no rank has a context left, no rank calls vLLM (it would answer an empty request with no
+    choices). The agreement is a collective: every rank calls this the same number of times, which
+    the rollout's fixed loop of max_turns (and phases) guarantees."""
 
     def __init__(self, trainer):
         self.generation = trainer.vllm_generation
+        self.dummy_prompt = [trainer.processing_class.eos_token_id]
 
     def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
+        from accelerate.utils import gather_object
+
+        shapes = gather_object([(len(contexts), max(max_new_tokens, default=0))])  # one (count, budget) per rank
+        count, budget = max(n for n, _ in shapes), max(b for _, b in shapes)
+        if count == 0:
+            return [], None
+        padded = contexts + [self.dummy_prompt] * (count - len(contexts))
         # Both are read from these attributes at call time; the rollout cuts at `stop` afterwards anyway.
-        self.generation.max_completion_length = max(max_new_tokens, default=1)
+        self.generation.max_completion_length = budget
         base_kwargs = self.generation.generation_kwargs or {}
         if stop:
             self.generation.generation_kwargs = {**base_kwargs, "stop": [stop], "include_stop_str_in_output": True}
         try:
-            _, completion_ids, logprobs, _ = self.generation.generate(prompts=contexts, images=None, num_generations=1)
+            _, completion_ids, logprobs, _ = self.generation.generate(prompts=padded, images=None, num_generations=1)
         finally:
             self.generation.generation_kwargs = base_kwargs
+        if len(completion_ids) != count:
+            raise RuntimeError(f"vLLM returned {len(completion_ids)} completions for {count} prompts")
         sampled, sampled_logprobs = [], []
-        for ids, token_logprobs, limit in zip(completion_ids, logprobs, max_new_tokens):
+        for ids, token_logprobs, limit in zip(completion_ids[:len(contexts)], logprobs[:len(contexts)], max_new_tokens):
             sampled.append(list(ids)[:limit])
             sampled_logprobs.append([lp[0] for lp in token_logprobs][:limit])  # the sampled token's logprob
         return sampled, sampled_logprobs
@@ -701,12 +735,22 @@ class TooManySimulatorFailures(simulator.SimulatorError):
     """More of a batch's dialogues lost their simulator than `max_failed_share` allows."""
 
 
-def check_failures(dialogues: list[Dialogue], max_failed_share: float) -> None:
+def check_failures(dialogues: list[Dialogue], max_failed_share: float, accelerator=None) -> None:
+    """Raise when too many of a step's dialogues lost their simulator. With several processes the
+    decision is over all ranks' dialogues, and every rank makes it: a rank stopping alone would start
+    saving a checkpoint (collectives) that the others never join, and the job would hang."""
     failed = [d for d in dialogues if d.failure is not None]
-    if failed and (len(failed) > max_failed_share * len(dialogues) or len(failed) == len(dialogues)):
+    counts = [(len(failed), len(dialogues), failed[-1].failure if failed else None)]
+    if accelerator is not None and accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        counts = gather_object(counts)
+    failed_count, total = sum(n for n, _, _ in counts), sum(t for _, t, _ in counts)
+    if failed_count and (failed_count > max_failed_share * total or failed_count == total):
+        last_error = next(error for _, _, error in reversed(counts) if error is not None)
         raise TooManySimulatorFailures(
-            f"{len(failed)} of {len(dialogues)} dialogues lost their simulator, more than max_failed_share="
-            f"{max_failed_share} allows; check the simulator endpoint. Last error: {failed[-1].failure}")
+            f"{failed_count} of {total} dialogues lost their simulator, more than max_failed_share="
+            f"{max_failed_share} allows; check the simulator endpoint. Last error: {last_error}")
 
 
 def keep_rows_before(path, step: int) -> None:

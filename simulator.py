@@ -585,6 +585,9 @@ def resolve_model(name_or_path: str) -> str:
 
     folder, gguf = Path(spec.origin).parent, "SmolLM2-135M-Instruct.Q4_1.gguf"
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    # SmolLM2-Instruct ends its turns with <|im_end|>, and pads with it; transformers before 5.24 read the
+    # GGUF's end token as <|im_start|> and no pad token, so say it whatever version converts the file.
+    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
     gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)
     # GGUF-loaded models refuse save_pretrained: rebuild a plain float32 model from the config (without
     # its GGUF quantization note, which would block training), then copy the dequantized weights.

@@ -87,6 +87,15 @@ def kill_when(process, ready, seconds: float = 240) -> None:
     process.wait()
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous or a fake server)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def packaged_model():
     """The offline SmolLM2-135M-Instruct, converted once into the repository's cache folder."""

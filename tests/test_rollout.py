@@ -349,3 +349,64 @@ def test_the_throughput_benchmark_runs_and_reports_its_ratios():
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert "efficiency (c)/(a):" in finished.stdout and "speed-up (b)/(a):" in finished.stdout
     assert "3 dialogues x 2 turns" in finished.stdout and "12 calls a run" in finished.stdout  # 3 x 2 x (analysis + reply)
+
+
+def test_every_end_token_of_the_models_generation_config_ends_a_turn(tiny_model_dir, tmp_path):
+    """Qwen2.5 ends turns with <|im_end|> (its tokenizer's end token) or <|endoftext|> (only in its generation
+    config), and vLLM stops at either: both must close the turn."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    other_end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert other_end != tokenizer.eos_token_id
+    assert other_end not in rollout.ChatSegments(tokenizer).eos_ids
+    GenerationConfig(eos_token_id=[tokenizer.eos_token_id, other_end]).save_pretrained(folder)
+    segments = rollout.ChatSegments(AutoTokenizer.from_pretrained(folder))
+    assert segments.eos_ids == {tokenizer.eos_token_id, other_end}
+
+
+RANKS_AGREE_SCRIPT = '''
+import json, sys
+from types import SimpleNamespace
+from accelerate import Accelerator
+sys.path.insert(0, sys.argv[1])
+import rollout
+accelerator = Accelerator(cpu=True)
+lost = SimpleNamespace(failure="HTTP 500 from the simulator")
+kept = SimpleNamespace(failure=None)
+mine = [lost, lost, lost] if accelerator.process_index == 0 else [kept, kept, kept]  # 3 of 6 lost, all on rank 0
+outcome = {}
+for share in (0.5, 0.4):
+    try:
+        rollout.check_failures(mine, share, accelerator)
+        outcome[share] = "went on"
+    except rollout.TooManySimulatorFailures as error:
+        outcome[share] = str(error)
+print(json.dumps(outcome))
+'''
+
+
+def test_all_ranks_agree_on_stopping_for_simulator_failures(tmp_path):
+    """A rank that stopped alone would start saving a checkpoint the others never join: a hang."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import free_port
+
+    script = tmp_path / "agree.py"
+    script.write_text(RANKS_AGREE_SCRIPT)
+    repo = Path(__file__).resolve().parent.parent
+    finished = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", str(free_port()), str(script), str(repo)],
+                              capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    outcomes = [json.loads(line) for line in finished.stdout.splitlines() if line.startswith("{")]
+    assert len(outcomes) == 2
+    for outcome in outcomes:  # both ranks decide on all 6 dialogues: 3 lost is allowed at 0.5, not at 0.4
+        assert outcome["0.5"] == "went on"
+        assert outcome["0.4"].startswith("3 of 6 dialogues lost their simulator") and "HTTP 500" in outcome["0.4"]

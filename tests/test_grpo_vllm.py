@@ -1,0 +1,110 @@
+"""GRPO's vLLM paths rehearsed on CPU: TRL's real VLLMGeneration and VLLMClient on 2 gloo ranks, against the fake
+vllm of tests/fake_vllm (its `LLM` for colocate mode, its `trl vllm-serve` for server mode)."""
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+FAKE = TESTS / "fake_vllm"
+
+
+@pytest.fixture
+def fake_server(tiny_model_dir, tmp_path):
+    """The fake `trl vllm-serve` on 127.0.0.1; yields (base URL, port, its request log)."""
+    port, log = free_port(), tmp_path / "server.log"
+    server = subprocess.Popen([sys.executable, str(FAKE / "server.py"), "--port", str(port), "--model",
+                               str(tiny_model_dir), "--log", str(log)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        yield f"http://127.0.0.1:{port}", port, log
+    finally:
+        server.kill()
+        server.wait()
+
+
+def two_ranks(*arguments, env=None, timeout=400) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), *map(str, arguments)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", **(env or {})})
+
+
+def case_results(finished: subprocess.CompletedProcess) -> list[dict]:
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return [json.loads(line) for line in finished.stdout.splitlines() if line.startswith('{"case"')]
+
+
+def assert_every_rank_got_its_own_completions(results: list[dict]) -> None:
+    assert len(results) == 12  # 6 cases x 2 ranks
+    for result in results:
+        assert "raised" not in result, result
+        assert result["completions"] == result["contexts"], result
+        assert set(result["verdicts"]) <= {"own"} and result["logprobs_aligned"], result
+
+
+def test_server_mode_gives_each_rank_its_own_completions_when_ranks_hold_different_numbers(fake_server,
+                                                                                          tiny_model_dir):
+    url, _, log = fake_server
+    assert_every_rank_got_its_own_completions(case_results(
+        two_ranks(TESTS / "vllm_ranks.py", "server", 1, tiny_model_dir, url)))
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    completions = [call for call in calls if call["event"] == "completions"]
+    assert len(completions) == 5  # the call in which every dialogue had ended never reached the server
+    assert all(call["n_prompts"] > 0 for call in completions)
+
+
+def test_colocate_mode_with_tensor_parallelism_gives_each_rank_its_own_completions(tiny_model_dir):
+    assert_every_rank_got_its_own_completions(case_results(
+        two_ranks(TESTS / "vllm_ranks.py", "colocate", 2, tiny_model_dir)))
+
+
+def generate_calls(log: Path) -> list[dict]:
+    return [row for row in map(json.loads, log.read_text().splitlines()) if row["event"] == "generate_call"]
+
+
+def grpo_command(tiny_model_dir, output_dir, *flags):
+    return [FAKE / "run.py", "train_grpo.py", "--model_name_or_path", tiny_model_dir, "--output_dir", output_dir,
+            "--num_generations", "2", "--per_device_train_batch_size", "4", "--use_vllm", "--use_cpu", "true", *flags]
+
+
+def test_grpo_in_server_mode_trains_on_two_ranks_whose_dialogues_end_at_different_turns(fake_server, tiny_model_dir,
+                                                                                        tmp_path):
+    url, _, _ = fake_server
+    log = tmp_path / "client.log"
+    # Random replies of up to 24 tokens against a 400-token dialogue budget and the rule user: dialogues end
+    # at different turns on each rank, and all of them before the 6th turn.
+    finished = two_ranks(*grpo_command(tiny_model_dir, tmp_path / "run", "--max_steps", "3", "--max_turns", "6",
+                                       "--max_reply_tokens", "24", "--max_dialogue_tokens", "400", "--vllm_mode",
+                                       "server", "--vllm_server_base_url", url),
+                         env={"FAKE_VLLM_LOG": str(log)})
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    calls = generate_calls(log)
+    assert calls and all(set(call["verdicts"]) <= {"own"} and call["logprobs_ok"] is not False for call in calls)
+    counts = collections.defaultdict(dict)  # (rank, call index) -> contexts; both ranks make the same calls
+    for rank in ("0", "1"):
+        for index, call in enumerate(c for c in calls if c.get("rank") == rank):
+            counts[index][rank] = call["n_contexts"]
+    assert all(len(pair) == 2 for pair in counts.values()), "the ranks made different numbers of generate calls"
+    assert any(pair["0"] != pair["1"] for pair in counts.values()), "no call had ranks with different counts"
+    assert any(pair["0"] == pair["1"] == 0 for pair in counts.values()), "no call came after every dialogue ended"
+    rows = [json.loads(line) for rank in (0, 1) for line in (tmp_path / "run" / f"transcripts.rank{rank}.jsonl").open()]
+    assert len(rows) == 3 * 2 * 4  # steps x ranks x dialogues
+
+
+def test_grpo_colocate_think_run_samples_each_dialogues_own_completions(tiny_model_dir, tmp_path):
+    log = tmp_path / "client.log"
+    finished = two_ranks(*grpo_command(tiny_model_dir, tmp_path / "run", "--max_steps", "2", "--max_turns", "4",
+                                       "--think", "--max_think_tokens", "12", "--max_reply_tokens", "16",
+                                       "--max_dialogue_tokens", "400", "--vllm_mode", "colocate"),
+                         env={"FAKE_VLLM_LOG": str(log)})
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    calls = generate_calls(log)
+    assert {call["stop"] for call in calls} == {"</think>", None}
+    assert all(set(call["verdicts"]) <= {"own"} and call["logprobs_ok"] is not False for call in calls)

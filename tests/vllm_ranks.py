@@ -1,0 +1,58 @@
+"""rollout.VLLMGenerator over TRL's real VLLMGeneration on several CPU ranks (gloo), with the fake vllm:
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/vllm_ranks.py MODE TP MODEL [SERVER_URL]
+
+MODE is server (against tests/fake_vllm/server.py) or colocate (the fake vllm.LLM, tensor_parallel_size TP).
+Each case gives every rank its own number of contexts and token budget, as dialogues that end at different
+turns do. Contexts are unique per rank and the fake's first sampled token names its context, so each rank
+checks it got its own completion at its own length; one JSON line per case and rank is printed."""
+import json
+import os
+import sys
+from datetime import timedelta
+from types import SimpleNamespace
+
+sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_vllm")]
+import run  # noqa: E402,F401  (the fake's patches: TRL's CUDA-only rendezvous)
+from accelerate import Accelerator, InitProcessGroupKwargs  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
+
+import rollout  # noqa: E402
+from vllm._fakegen import EOS, tag  # noqa: E402
+
+CASES = [  # (contexts per rank, budget per rank)
+    ([2, 2], [30, 30]),  # equal counts: the control
+    ([2, 1], [30, 30]),  # a dialogue of rank 1 has ended
+    ([1, 2], [30, 30]),  # a dialogue of rank 0 has ended
+    ([0, 2], [30, 30]),  # every dialogue of rank 0 has ended
+    ([2, 2], [3, 30]),  # rank 0's dialogues are near their token budget
+    ([0, 0], [30, 30]),  # every dialogue has ended before max_turns
+]
+
+mode, tensor_parallel_size, model_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=60))])
+rank = accelerator.process_index
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+generation = VLLMGeneration(model=AutoModelForCausalLM.from_pretrained(model_dir), accelerator=accelerator,
+                            processing_class=tokenizer, mode=mode, tensor_parallel_size=tensor_parallel_size,
+                            server_base_url=sys.argv[4] if mode == "server" else None, max_completion_length=16,
+                            logprobs=0)
+generate = rollout.VLLMGenerator(SimpleNamespace(vllm_generation=generation,
+                                                 processing_class=tokenizer))
+for case, (counts, budgets) in enumerate(CASES):
+    count, budget = counts[rank], budgets[rank]
+    contexts = [[1, 2, 3, 1000 + 100 * rank + 10 * case + i] for i in range(count)]
+    result = {"case": case, "rank": rank, "contexts": count}
+    try:
+        sampled, logprobs = generate(contexts, [budget] * count)
+    except Exception as error:  # noqa: BLE001  (reported, then the test fails on it)
+        result["raised"] = f"{type(error).__name__}: {error}"
+    else:
+        result["completions"] = len(sampled)
+        result["verdicts"] = ["other's" if ids[:1] != [tag(context)] else
+                              "cut" if len(ids) < budget and ids[-1] != EOS else "own"
+                              for context, ids in zip(contexts, sampled)]
+        result["logprobs_aligned"] = logprobs is None or [len(lp) for lp in logprobs] == [len(ids) for ids in sampled]
+    print(json.dumps(result), flush=True)
+    accelerator.wait_for_everyone()
