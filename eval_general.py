@@ -31,11 +31,11 @@ memory blow-ups, stray network calls) from hurting the run; it is not a security
 hostile code.
 
 Models: as in eval_sentient.py, a local folder or hub id through transformers (batched; a LoRA
-folder from training is merged onto its base), `--use_vllm` (GPU; untested here) or an
-OpenAI-compatible endpoint (`--model_base_url`). Defaults: greedy decoding, each task's own token
-budget (`TASK_MAX_NEW_TOKENS`). With `--think` the model is asked to think in <think>...</think>
-first, and only the text after `</think>` is graded (a response that never closes its thought is
-graded as empty).
+folder from training is merged onto its base once, into a cache folder), `--use_vllm` (GPU; rehearsed
+on CPU with a fake vLLM, not run on a GPU) or an OpenAI-compatible endpoint (`--model_base_url`).
+Defaults: greedy decoding, each task's own token budget (`TASK_MAX_NEW_TOKENS`). With `--think` the
+model is asked to think in <think>...</think> first, and only the text after `</think>` is graded (a
+response that never closes its thought is graded as empty).
 
 `--compare BASE TRAINED` (two output folders, or two result files of one task): per task and
 metric, both scores, the difference and its 95% interval from a paired bootstrap over the items
@@ -79,7 +79,7 @@ class GeneralEvalArguments:
         "help": "local folder, hub id, or the model name served at --model_base_url"})
     model_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible endpoint of the tested model"})
     model_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "variable holding its API key"})
-    use_vllm: bool = field(default=False, metadata={"help": "generate with an in-process vLLM engine (GPU; untested here)"})
+    use_vllm: bool = field(default=False, metadata={"help": "generate with an in-process vLLM engine (GPU)"})
     think: bool = field(default=False, metadata={"help": "ask for <think>...</think> first; grade only what follows"})
     tasks: str = field(default=",".join(TASKS), metadata={"help": f"comma-separated, from {', '.join(TASKS)}"})
     output_dir: str | None = field(default=None, metadata={"help": "result folder; default runs/general/<model>[-think]"})
@@ -92,7 +92,7 @@ class GeneralEvalArguments:
     livecodebench_start_date: str | None = field(default=None, metadata={"help": "first contest date kept, YYYY-MM-DD"})
     livecodebench_end_date: str | None = field(default=None, metadata={"help": "last contest date kept, YYYY-MM-DD"})
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature; 0 = greedy"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (temperature > 0)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling of a local model (temperature > 0)"})
     max_new_tokens: int | None = field(default=None, metadata={
         "help": "response budget for every task, thinking included (default: TASK_MAX_NEW_TOKENS per task)"})
     batch_size: int = field(default=16, metadata={"help": "prompts generated at once (endpoints: requests in flight)"})
@@ -445,29 +445,15 @@ class LocalBackend:
     """A local or hub model through transformers (batched), or an in-process vLLM engine."""
 
     def __init__(self, args: GeneralEvalArguments):
-        import torch
-        from transformers import GenerationConfig
-
-        from eval_sentient import load_local_model
+        from eval_sentient import load_generator
 
         rollout.use_all_cpu_cores()
-        model, self.tokenizer = load_local_model(args.model)
-        if args.use_vllm:
-            self.generate = rollout.VLLMEngineGenerator(args.model, args.temperature, args.seed)
-            return
-        model.eval()
-        if torch.cuda.is_available():
-            model.to("cuda")
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
-            if args.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        self.generate = rollout.TransformersGenerator(model, self.tokenizer, GenerationConfig(
-            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=pad_id, **sampling))
+        self.generate, self.tokenizer = load_generator(args)
 
     def __call__(self, conversations: list[list[dict]], max_new_tokens: int, seed: int) -> list[str]:
         import torch
 
-        torch.manual_seed(seed)  # a batch samples the same whether or not the run was resumed
+        torch.manual_seed(seed)  # a batch samples the same whether or not the run was resumed (vLLM too)
         contexts = [self.tokenizer(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                                    add_special_tokens=False).input_ids for messages in conversations]
         sampled, _ = self.generate(contexts, [max_new_tokens] * len(contexts))

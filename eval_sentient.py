@@ -22,11 +22,15 @@ the same command skips finished scenarios. The summary (also written as `<output
 score = mean final emotion with a bootstrap 95% interval, success = share ending at 100, failure =
 share ending below 10, mean judged replies, and the same by hidden intention and personality type.
 
-Models: a local folder or hub id through transformers (batched; a PEFT adapter folder is loaded on
-its base model), `--use_vllm` for an in-process vLLM engine (untested here), or any
-OpenAI-compatible endpoint with `--model_base_url`. Differences from SAGE: a local model keeps its
-own earlier thoughts in its context (as in training; SAGE shows an API model only the replies), and
-a goodbye must be in the user's last sentence, where SAGE matches 再见/拜拜 anywhere in the message.
+Models: a local folder or hub id through transformers (batched), `--use_vllm` for an in-process vLLM
+engine (rehearsed on CPU with a fake vLLM, not run on a GPU), or any OpenAI-compatible endpoint with
+`--model_base_url`. A PEFT adapter folder, as training writes it, is merged onto its base model once,
+into `cache/merged/` (`$RLVER_CACHE/merged/` when set), with its own tokenizer or else its base
+model's: vLLM serves only full model folders, and both local backends then test the same weights.
+
+Differences from SAGE: a local model keeps its own earlier thoughts in its context (as in training;
+SAGE shows an API model only the replies), and a goodbye must be in the user's last sentence, where
+SAGE matches 再见/拜拜 anywhere in the message.
 """
 import asyncio
 import json
@@ -50,7 +54,7 @@ class EvalArguments:
         "help": "local folder, hub id, or the model name served at --model_base_url"})
     model_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible endpoint of the tested model"})
     model_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "variable holding its API key"})
-    use_vllm: bool = field(default=False, metadata={"help": "generate with an in-process vLLM engine (GPU; untested here)"})
+    use_vllm: bool = field(default=False, metadata={"help": "generate with an in-process vLLM engine (GPU)"})
     think: bool = field(default=False, metadata={"help": "think-then-say: <think>...</think>, hidden from the user"})
     profiles: str = field(default=str(simulator.DEFAULT_BENCHMARK_PROFILES), metadata={
         "help": "benchmark scenarios with first_talk (the official 100: ../shared/data/rlver/test_profile.jsonl)"})
@@ -60,6 +64,7 @@ class EvalArguments:
     max_think_tokens: int = field(default=64, metadata={"help": "thinking tokens per turn, think mode (GPU: 2048)"})
     max_dialogue_tokens: int = field(default=4096, metadata={"help": "prompt + completion tokens per dialogue (local models)"})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature of the tested model"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling of a local model (temperature > 0)"})
     seed: int = field(default=0, metadata={"help": "sampling seed: the same seed and simulator outputs give the same rows"})
     batch_size: int = field(default=16, metadata={"help": "scenarios played at once (local models; endpoints: at once in flight)"})
     rescore: list[str] = field(default_factory=list, metadata={
@@ -209,43 +214,90 @@ def new_simulator(profile, chat, simulator_args) -> simulator.Simulator:
     return rollout.new_simulator(profile, chat, benchmark_config(simulator_args))
 
 
-def load_local_model(name_or_path: str):
-    """A causal LM and its tokenizer; a PEFT adapter folder (as training writes) on its base model."""
+def loadable_model(name_or_path: str) -> str:
+    """--model as a folder (or hub id) that transformers and vLLM both load, its tokenizer beside it: the
+    packaged model's short name converted once (simulator.resolve_model), a PEFT adapter folder merged
+    onto its base once (merged_adapter), a full model folder as it is."""
+    path = Path(name_or_path)
+    if not path.is_dir():
+        return simulator.resolve_model(name_or_path)  # the packaged model or a hub id
+    if (path / "adapter_config.json").is_file():
+        return merged_adapter(path)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"{path} holds neither a model (config.json) nor a PEFT adapter (adapter_config.json)")
+    if not (path / "tokenizer_config.json").is_file():
+        raise SystemExit(f"{path} holds a model but no tokenizer (tokenizer_config.json), and no adapter_config.json "
+                         "names a base model to take one from; save the tokenizer of the model it was trained from "
+                         f"into it: AutoTokenizer.from_pretrained(BASE).save_pretrained({str(path)!r})")
+    return str(path)
+
+
+def merged_adapter(path: Path) -> str:
+    """The adapter merged onto its base model, in a cache folder named by the adapter folder's path and
+    newest file time (a retrained adapter gets a new merge), written once, atomically. The tokenizer is
+    the folder's own (TRL saves it) or else the base model's (train_ppo.py saves none)."""
+    import hashlib
+    import shutil
+
+    from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(name_or_path)
-    if (path / "adapter_config.json").is_file():
-        from peft import PeftModel
+    path = path.resolve()
+    stamp = max(f.stat().st_mtime_ns for f in path.iterdir() if f.is_file())
+    digest = hashlib.sha256(f"{path}:{stamp}".encode()).hexdigest()[:12]
+    target = simulator.MODEL_CACHE / "merged" / f"{path.name}-{digest}"
+    if (target / "config.json").is_file():
+        return str(target)
+    base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise SystemExit(f"{path}/adapter_config.json does not name its base model (base_model_name_or_path)")
+    base = simulator.resolve_model(base)
+    tokenizer_source = path if (path / "tokenizer_config.json").is_file() else base
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    except (OSError, ValueError) as error:  # no such hub id; a folder without tokenizer files
+        raise SystemExit(f"{path} holds no tokenizer (tokenizer_config.json), nor does its base model {base!r} "
+                         f"(adapter_config.json): {error}") from None
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path).merge_and_unload()
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted merge
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)  # only a complete folder ever appears under the final name
+    return str(target)
 
-        base = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
-        base_path = simulator.resolve_model(base)
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), path).merge_and_unload()
-        return model, AutoTokenizer.from_pretrained(base_path)
-    resolved = simulator.resolve_model(name_or_path)
-    return AutoModelForCausalLM.from_pretrained(resolved), AutoTokenizer.from_pretrained(resolved)
+
+def load_generator(args):
+    """(generate, tokenizer) for the tested local model: an in-process vLLM engine with --use_vllm (the
+    transformers model is never loaded then: the engine wants its share of the GPU), else transformers,
+    on the GPU if there is one. Both sample from torch's RNG state, which the callers seed per batch."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    folder = loadable_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if args.use_vllm:
+        return rollout.VLLMEngineGenerator(folder, args.temperature, args.top_p, args.seed), tokenizer
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    if torch.cuda.is_available():
+        model.to("cuda")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
+        if args.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    return rollout.TransformersGenerator(model, tokenizer, GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id, **sampling)), tokenizer
 
 
 def play_local(args, simulator_args, chat, profiles, output: Path, progress) -> None:
     """Batches of scenarios in lockstep through rollout.py. Batches are cut from the full scenario list
     and each is seeded by its index, so a resumed run plays what the uninterrupted run would have."""
     import torch
-    from transformers import GenerationConfig
 
-    model, tokenizer = load_local_model(args.model)
-    model.eval()
-    if torch.cuda.is_available():
-        model.to("cuda")
     rollout.use_all_cpu_cores()
+    generate, tokenizer = load_generator(args)
     runner = rollout.DialogueRunner(tokenizer, benchmark_config(simulator_args, args), chat)
     if chat is not None:
         runner.loop.run_until_complete(chat.check())  # on the loop that will use its connections
-    if args.use_vllm:
-        generate = rollout.VLLMEngineGenerator(args.model, args.temperature, args.seed)
-    else:
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        generate = rollout.TransformersGenerator(model, tokenizer, GenerationConfig(
-            do_sample=args.temperature > 0, temperature=args.temperature or None, top_k=0, top_p=1.0,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id))
     done = finished_ids(output)
     lost = []  # scenarios whose simulated user failed past its retries: not written, so a rerun plays them
     try:

@@ -387,24 +387,32 @@ class VLLMServerGenerator:
 
 
 class VLLMEngineGenerator:
-    """Sampling with an in-process vLLM engine, outside any trainer (eval_sentient.py --use_vllm).
-    Untested here (no vLLM on CPU)."""
+    """Sampling with an in-process vLLM engine, outside any trainer (the evaluations' --use_vllm), from a
+    full model folder with its tokenizer. Rehearsed on CPU with a fake vLLM (tests/fake_vllm).
 
-    def __init__(self, model: str, temperature: float, seed: int):
+    Each request gets its own seed, drawn from torch's global RNG: the evaluations seed that per batch
+    (as they do for transformers' sampling), so a row's seed follows from the batch's seed, the call's
+    place in the batch (one call per turn and phase) and the row's position, and a resumed run samples
+    what the uninterrupted one did. The engine's own seed alone would not do: its stream depends on
+    every request served before."""
+
+    def __init__(self, model: str, temperature: float, top_p: float, seed: int):
         try:
             from vllm import LLM
         except ImportError:
             raise SystemExit("--use_vllm needs vLLM on a GPU machine: pip install -r requirements-gpu.txt") from None
         self.llm = LLM(model=model, seed=seed)
-        self.temperature = temperature
+        self.temperature, self.top_p = temperature, top_p
 
     def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
         from vllm import SamplingParams, TokensPrompt
 
         if not contexts:
             return [], None
-        params = [SamplingParams(temperature=self.temperature, max_tokens=limit, stop=[stop] if stop else None,
-                                 include_stop_str_in_output=True) for limit in max_new_tokens]
+        seeds = torch.randint(2**31 - 1, (len(contexts),)).tolist()
+        params = [SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=seed, max_tokens=limit,
+                                 stop=[stop] if stop else None, include_stop_str_in_output=True)
+                  for seed, limit in zip(seeds, max_new_tokens)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=c) for c in contexts], params, use_tqdm=False)
         return [list(output.outputs[0].token_ids) for output in outputs], None
 

@@ -234,15 +234,17 @@ def test_a_scenario_whose_simulated_user_fails_is_not_scored_and_a_rerun_plays_i
     assert summary["n"] == 2
 
 
-def test_a_lora_folder_from_training_is_tested_on_its_base_model(tiny_model_dir, tmp_path):
+def test_a_lora_folder_from_training_is_tested_on_its_base_model(tiny_model_dir, tmp_path, monkeypatch):
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    monkeypatch.setattr(simulator, "MODEL_CACHE", tmp_path / "cache")  # the merge's cache
     torch.manual_seed(0)
     trained = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, init_lora_weights=False))
     trained.save_pretrained(tmp_path / "run")
-    model, tokenizer = eval_sentient.load_local_model(str(tmp_path / "run"))
+    merged = eval_sentient.loadable_model(str(tmp_path / "run"))
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(merged), AutoTokenizer.from_pretrained(merged)
     ids = torch.tensor([tokenizer("I hear you.")["input_ids"]])
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, trained(ids).logits, atol=1e-5)
