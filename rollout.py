@@ -321,7 +321,7 @@ class VLLMGenerator:
 
     def __init__(self, trainer):
         self.generation = trainer.vllm_generation
-        self.dummy_prompt = [trainer.processing_class.eos_token_id]
+        self.dummy_prompt = [self.generation.processing_class.eos_token_id]
 
     def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
         from accelerate.utils import gather_object

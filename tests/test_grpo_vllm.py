@@ -36,9 +36,9 @@ def two_ranks(*arguments, env=None, timeout=400) -> subprocess.CompletedProcess:
                           env={**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", **(env or {})})
 
 
-def case_results(finished: subprocess.CompletedProcess) -> list[dict]:
+def case_results(finished: subprocess.CompletedProcess, out_dir: Path) -> list[dict]:
     assert finished.returncode == 0, finished.stderr[-3000:]
-    return [json.loads(line) for line in finished.stdout.splitlines() if line.startswith('{"case"')]
+    return [json.loads(line) for rank in (0, 1) for line in (out_dir / f"rank{rank}.jsonl").open()]
 
 
 def assert_every_rank_got_its_own_completions(results: list[dict]) -> None:
@@ -50,19 +50,19 @@ def assert_every_rank_got_its_own_completions(results: list[dict]) -> None:
 
 
 def test_server_mode_gives_each_rank_its_own_completions_when_ranks_hold_different_numbers(fake_server,
-                                                                                          tiny_model_dir):
+                                                                                          tiny_model_dir, tmp_path):
     url, _, log = fake_server
     assert_every_rank_got_its_own_completions(case_results(
-        two_ranks(TESTS / "vllm_ranks.py", "server", 1, tiny_model_dir, url)))
+        two_ranks(TESTS / "vllm_ranks.py", tmp_path, "server", 1, tiny_model_dir, url), tmp_path))
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     completions = [call for call in calls if call["event"] == "completions"]
     assert len(completions) == 5  # the call in which every dialogue had ended never reached the server
     assert all(call["n_prompts"] > 0 for call in completions)
 
 
-def test_colocate_mode_with_tensor_parallelism_gives_each_rank_its_own_completions(tiny_model_dir):
+def test_colocate_mode_with_tensor_parallelism_gives_each_rank_its_own_completions(tiny_model_dir, tmp_path):
     assert_every_rank_got_its_own_completions(case_results(
-        two_ranks(TESTS / "vllm_ranks.py", "colocate", 2, tiny_model_dir)))
+        two_ranks(TESTS / "vllm_ranks.py", tmp_path, "colocate", 2, tiny_model_dir), tmp_path))
 
 
 def generate_calls(log: Path) -> list[dict]:

@@ -1,11 +1,12 @@
 """rollout.VLLMGenerator over TRL's real VLLMGeneration on several CPU ranks (gloo), with the fake vllm:
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/vllm_ranks.py MODE TP MODEL [SERVER_URL]
+    python -m torch.distributed.run --nproc_per_node 2 tests/vllm_ranks.py OUT_DIR MODE TP MODEL [SERVER_URL]
 
 MODE is server (against tests/fake_vllm/server.py) or colocate (the fake vllm.LLM, tensor_parallel_size TP).
 Each case gives every rank its own number of contexts and token budget, as dialogues that end at different
 turns do. Contexts are unique per rank and the fake's first sampled token names its context, so each rank
-checks it got its own completion at its own length; one JSON line per case and rank is printed."""
+checks it got its own completion at its own length; each rank writes one JSON line per case to
+OUT_DIR/rank<N>.jsonl (a file each: the ranks' printed lines could interleave)."""
 import json
 import os
 import sys
@@ -30,16 +31,15 @@ CASES = [  # (contexts per rank, budget per rank)
     ([0, 0], [30, 30]),  # every dialogue has ended before max_turns
 ]
 
-mode, tensor_parallel_size, model_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+out_dir, mode, tensor_parallel_size, model_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=60))])
 rank = accelerator.process_index
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 generation = VLLMGeneration(model=AutoModelForCausalLM.from_pretrained(model_dir), accelerator=accelerator,
                             processing_class=tokenizer, mode=mode, tensor_parallel_size=tensor_parallel_size,
-                            server_base_url=sys.argv[4] if mode == "server" else None, max_completion_length=16,
+                            server_base_url=sys.argv[5] if mode == "server" else None, max_completion_length=16,
                             logprobs=0)
-generate = rollout.VLLMGenerator(SimpleNamespace(vllm_generation=generation,
-                                                 processing_class=tokenizer))
+generate = rollout.VLLMGenerator(SimpleNamespace(vllm_generation=generation))
 for case, (counts, budgets) in enumerate(CASES):
     count, budget = counts[rank], budgets[rank]
     contexts = [[1, 2, 3, 1000 + 100 * rank + 10 * case + i] for i in range(count)]
@@ -54,5 +54,6 @@ for case, (counts, budgets) in enumerate(CASES):
                               "cut" if len(ids) < budget and ids[-1] != EOS else "own"
                               for context, ids in zip(contexts, sampled)]
         result["logprobs_aligned"] = logprobs is None or [len(lp) for lp in logprobs] == [len(ids) for ids in sampled]
-    print(json.dumps(result), flush=True)
+    with open(os.path.join(out_dir, f"rank{rank}.jsonl"), "a") as out:
+        out.write(json.dumps(result) + "\n")
     accelerator.wait_for_everyone()
