@@ -12,14 +12,34 @@ simulator on our English profiles, about 15 minutes on 2 CPU cores:
     accelerate launch train_grpo.py            # reply only
     accelerate launch train_grpo.py --think    # think, then reply
 
-The paper's runs (GPUs, an LLM simulator on an OpenAI-compatible endpoint):
+The paper's runs (8 x 80 GB GPUs, `pip install -r requirements-gpu.txt`, an LLM simulator on an
+OpenAI-compatible endpoint on other GPUs; each recipe's header has its memory estimate):
 
     accelerate launch --config_file accelerate_configs/zero3.yaml train_grpo.py \\
         --config recipes/grpo_qwen2.5-7b_think.yaml
 
 Every GRPOConfig and ModelConfig flag of TRL works too (`--report_to trackio`, `--push_to_hub`,
 `--use_vllm`, `--lora_r`, ...). Where the demo defaults differ from the paper (DESIGN.md section 5),
-`DEMO_DEFAULTS` says so; the recipes hold the paper's values.
+`DEMO_DEFAULTS` says so; the recipes hold the paper's values. The demo defaults are the parser's
+defaults, also under `--config`: every recipe states every `DEMO_DEFAULTS` key (tests/test_recipes.py
+checks it), and a config file that leaves one out gets a warning naming the demo values it keeps.
+A tracker in `report_to` whose package is missing is refused at start-up, before any model loads.
+
+vLLM (`use_vllm`, generation only; the recipes colocate it with the trainer on every GPU):
+- Importance sampling. vLLM's token probabilities differ slightly from the trainer's, and TRL
+  corrects the loss by the ratio trainer/vLLM. TRL's default, `sequence_mask`, multiplies the
+  ratios of all a row's tokens and zeroes the whole row when the product exceeds 3 (a summed log
+  ratio above ln 3 = 1.1): over the thousands of tokens of a multi-turn dialogue, small per-token
+  mismatches add up and whole dialogues would drop out of the loss. We use `token_truncate`: each
+  token's ratio is capped at `vllm_importance_sampling_clip_max` (3) and no dialogue is dropped.
+  Logged: TRL's `sampling/importance_sampling_ratio/{min,mean,max}` and
+  `sampling/sampling_logp_difference/{mean,max}`, and ours,
+  `sampling/importance_sampling_ratio/clipped_share`: the share of trained tokens whose ratio was
+  clipped (or zeroed, in the `*_mask` modes).
+- `--vllm_enable_sleep_mode` is allowed but warned about: TRL puts the engine to sleep (weights and
+  KV cache discarded) after every generate call and re-pushes all the policy's weights before the
+  next, and a multi-turn rollout calls generate once per turn and phase (up to 2 x max_turns a
+  step), so every call pays a full weight sync and a prefill of the whole context.
 
 Logged every step (README "Metrics"): reward; emotion/final_mean, emotion/success_rate (final =
 100), emotion/failure_rate (final < 10), emotion/after_turn_k; dialogue/turns_mean,
@@ -29,18 +49,23 @@ length/reply_tokens_per_turn; simulator/seconds_per_turn. Transcripts of every d
 """
 import json
 import os
+import sys
+import warnings
 from pathlib import Path
 
 import torch
+import yaml
 from datasets import Dataset
 from transformers import AutoTokenizer
+from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 
 import rollout
 import simulator
 
 
-# The offline demo. Paper values (DESIGN.md section 5) in the comments; recipes/ hold them.
+# The offline demo. Paper values (DESIGN.md section 5) in the comments; recipes/ hold them, and state
+# every key of this dict (tests/test_recipes.py): these are the parser's defaults under --config too.
 DEMO_DEFAULTS = dict(
     model_name_or_path=simulator.PACKAGED_MODEL,  # paper: Qwen2.5-7B-Instruct
     output_dir="runs/grpo-demo",
@@ -55,7 +80,60 @@ DEMO_DEFAULTS = dict(
     logging_steps=1, save_strategy="no", report_to="none",
     gradient_checkpointing=False,  # a 135M model fits; checkpointing would only slow the CPU down
     bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+    # With --use_vllm: cap each token's importance ratio instead of TRL's default, which drops a whole
+    # dialogue when the product of its tokens' ratios exceeds 3 (module docstring).
+    vllm_importance_sampling_mode="token_truncate",
 )
+
+
+def parse_arguments(argv: list[str] | None = None):
+    """(dialogue, simulator, training, model) arguments: DEMO_DEFAULTS, then the --config YAML, then flags."""
+    parser = TrlParser((rollout.DialogueArguments, simulator.SimulatorArguments, GRPOConfig, ModelConfig))
+    parser.set_defaults(**DEMO_DEFAULTS)
+    try:
+        return parser.parse_args_and_config(argv)
+    except simulator.ArgumentError as error:  # a value that cannot work: usage and what to fix, exit 2
+        parser.error(str(error))
+
+
+def demo_defaults_kept(argv: list[str]) -> dict:
+    """The DEMO_DEFAULTS that a run with --config keeps because neither its YAML nor a flag sets them:
+    a paper-scale config must not inherit the CPU demo's LoRA, learning rate or save_strategy unnoticed."""
+    if "--config" not in argv:
+        return {}
+    with open(argv[argv.index("--config") + 1], encoding="utf-8") as handle:
+        config_keys = set(yaml.safe_load(handle))
+    flags = {arg[2:].split("=")[0] for arg in argv if arg.startswith("--")}
+    return {key: value for key, value in DEMO_DEFAULTS.items() if key not in config_keys | flags}
+
+
+def missing_trackers(report_to: list[str]) -> list[str]:
+    """The trackers of `report_to` whose package is not installed. The Trainer would find out only after
+    loading the model; names transformers does not know are left to its own error."""
+    installed = get_available_reporting_integrations()
+    # That list leaves out flyte (no check), azure_ml when mlflow is there, kubeflow without its variable.
+    checked = set(INTEGRATION_TO_CALLBACK) - {"flyte", "azure_ml", "kubeflow"}
+    return [name for name in report_to if name in checked and name not in installed]
+
+
+def check_setup(argv: list[str], training_args: GRPOConfig) -> None:
+    """Refuse what would fail after the model loaded, and warn about what would silently mislead."""
+    missing = missing_trackers(training_args.report_to)
+    if missing:
+        where = " (trackio is in requirements-gpu.txt)" if "trackio" in missing else ""
+        raise SystemExit(f"--report_to {','.join(missing)}: {' and '.join(missing)} not installed. Install it with "
+                         f"pip install {' '.join(missing)}{where}, or pass --report_to none")
+    kept = demo_defaults_kept(argv)
+    if kept:
+        values = ", ".join(f"{key}={value!r}" for key, value in kept.items())
+        warnings.warn(f"{argv[argv.index('--config') + 1]} leaves the offline demo's values in force: {values}; "
+                      "state these keys in the config")
+    if training_args.use_vllm and training_args.vllm_enable_sleep_mode:
+        warnings.warn("--vllm_enable_sleep_mode: TRL discards vLLM's weights and KV cache after every generate call "
+                      "and pushes all the policy's weights again before the next; the rollout calls generate once "
+                      "per turn (twice with --think), so each call pays a full weight sync and a prefill of the "
+                      "whole dialogue. Leave it off unless memory forces it (lower vllm_gpu_memory_utilization or "
+                      "max_dialogue_tokens first)")
 
 
 def make_emotion_reward(config: rollout.RolloutConfig):
@@ -78,14 +156,44 @@ def make_emotion_reward(config: rollout.RolloutConfig):
     return emotion_reward
 
 
-def main() -> None:
+def importance_ratios_cut(ratio: torch.Tensor, trained: torch.Tensor, args: GRPOConfig):
+    """(tokens whose vLLM importance ratio TRL clipped or zeroed, tokens trained), counted over `trained`
+    (1 = a policy token in the loss, 0 = padding or a simulator token). `ratio` is TRL's, after its cut:
+    (rows, tokens) in the token modes, (rows, 1) in the sequence modes, where a cut row counts all its tokens.
+    In the mask modes a ratio that underflowed to 0 counts too: its weight in the loss is zero all the same."""
+    ratio, trained = ratio.expand_as(trained), trained.bool()
+    if args.vllm_importance_sampling_mode.endswith("_mask"):
+        cut = ratio == 0
+    else:  # *_truncate: clamped exactly onto a bound
+        cut = torch.zeros_like(trained)
+        if args.vllm_importance_sampling_clip_max is not None:
+            cut |= ratio >= args.vllm_importance_sampling_clip_max
+        if args.vllm_importance_sampling_clip_min is not None:
+            cut |= ratio <= args.vllm_importance_sampling_clip_min
+    return (cut & trained).sum(), trained.sum()
+
+
+class DialogueGRPOTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer plus one metric it lacks: `sampling/importance_sampling_ratio/clipped_share`, the
+    share of trained tokens (all ranks) whose vLLM importance ratio was clipped or zeroed. TRL logs only
+    the ratio's min, mean and max, which cannot tell one clipped token from half the batch."""
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        if "importance_sampling_ratio" in batch:  # use_vllm with the correction on
+            trained = batch["completion_mask"] * batch.get("tool_mask", 1)  # tool_mask: the rollout's env_mask
+            counts = torch.stack(importance_ratios_cut(batch["importance_sampling_ratio"], trained, self.args))
+            cut, total = self.accelerator.gather(counts.float().unsqueeze(0)).sum(0).tolist()
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["sampling/importance_sampling_ratio/clipped_share"].append(cut / max(total, 1))
+        return batch
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     rollout.use_all_cpu_cores()
-    parser = TrlParser((rollout.DialogueArguments, simulator.SimulatorArguments, GRPOConfig, ModelConfig))
-    parser.set_defaults(**DEMO_DEFAULTS)
-    try:
-        dialogue_args, simulator_args, training_args, model_args = parser.parse_args_and_config()
-    except simulator.ArgumentError as error:  # a value that cannot work: usage and what to fix, exit 2
-        parser.error(str(error))
+    dialogue_args, simulator_args, training_args, model_args = parse_arguments(argv)
+    check_setup(argv, training_args)  # before anything slow
 
     if dialogue_args.think and training_args.output_dir == DEMO_DEFAULTS["output_dir"]:
         training_args.output_dir += "-think"  # the two demo runs side by side
@@ -115,13 +223,13 @@ def main() -> None:
         starts = [(profiles[profile_id], openings[profile_id]) for profile_id in prompts]
         with rollout.trainer_generator(trainer) as generate:
             dialogues = runner.run(starts, generate)
-        rollout.check_failures(dialogues, dialogue_args.max_failed_share)  # before writing: a resume replays the step
+        rollout.check_failures(dialogues, dialogue_args.max_failed_share, trainer.accelerator)  # before writing: a resume replays the step
         rank = trainer.accelerator.process_index
         path = transcripts if trainer.accelerator.num_processes == 1 else transcripts.with_suffix(f".rank{rank}.jsonl")
         rollout.write_transcripts(path, dialogues, step=trainer.state.global_step)
         return rollout.rollout_output(dialogues, with_logprobs=training_args.use_vllm)
 
-    trainer = GRPOTrainer(
+    trainer = DialogueGRPOTrainer(
         model=model_path,
         reward_funcs=make_emotion_reward(config),
         args=training_args,

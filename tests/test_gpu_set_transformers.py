@@ -1,0 +1,53 @@
+"""The rollout's generator under the transformers of the GPU set (requirements-gpu.txt), not only the CPU set's.
+
+vLLM pins an older transformers than requirements.txt does, and generate's cache argument changed name between
+them. The GPU set's transformers is downloaded once (`pip download --no-deps`, into cache/) and laid over this
+environment for a subprocess that reruns the generator's prefix-cache tests; skipped where the package index
+cannot be reached."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import simulator
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def gpu_set_transformers() -> str:
+    pins = re.findall(r"^transformers==(\S+)", (REPO / "requirements-gpu.txt").read_text(), flags=re.M)
+    assert len(pins) == 1, "requirements-gpu.txt must pin transformers exactly once"
+    return pins[0]
+
+
+def overlay(version: str) -> Path:
+    """A folder holding that transformers and what it needs beyond this environment (huggingface_hub < 2, httpx)."""
+    folder = simulator.MODEL_CACHE / f"transformers-{version}"
+    if (folder / "transformers").is_dir():
+        return folder
+    wheels = folder.with_name(folder.name + ".wheels")
+    download = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels),
+                               f"transformers=={version}", "huggingface_hub<2", "httpx", "httpcore"],
+                              capture_output=True, text=True, timeout=300)
+    if download.returncode != 0:
+        pytest.skip(f"could not download transformers {version}: {download.stderr.strip()[-300:]}")
+    partial = folder.with_name(folder.name + ".partial")
+    for wheel in wheels.glob("*.whl"):
+        subprocess.run([sys.executable, "-m", "zipfile", "-e", str(wheel), str(partial)], check=True)
+    partial.rename(folder)  # only a complete overlay appears under the final name
+    return folder
+
+
+def test_the_generators_prefix_cache_works_on_the_gpu_sets_transformers(packaged_model):
+    version = gpu_set_transformers()
+    env = {**os.environ, "PYTHONPATH": str(overlay(version))}
+    probe = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+                           capture_output=True, text=True, env=env, cwd=REPO)
+    assert probe.stdout.strip() == version, probe.stderr[-1000:]
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_rollout.py",
+                            "-k", "cached_prefix or prefix_cache_match"],
+                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert tests.returncode == 0 and "2 passed" in tests.stdout, tests.stdout[-3000:]
