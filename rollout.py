@@ -352,7 +352,7 @@ class VLLMGenerator:
 class VLLMServerGenerator:
     """Sampling from TRL's generation server (`trl vllm-serve`) outside a TRL trainer, as in
     train_ppo.py; `push_weights` sends the policy's current weights before each rollout.
-    Written against TRL 1.16's VLLMClient; untested here (no vLLM on CPU)."""
+    Written against TRL 1.16's VLLMClient; rehearsed on CPU with a fake vLLM (tests/fake_vllm)."""
 
     def __init__(self, host: str, port: int, temperature: float):
         from trl.generation.vllm_client import VLLMClient  # raises a clear ImportError without vLLM
@@ -362,15 +362,21 @@ class VLLMServerGenerator:
         self.temperature = temperature
 
     def push_weights(self, model) -> None:
+        """Every weight in ONE update session: vLLM rebuilds each layer touched in a session from what
+        that session sent, so a fused layer (qkv_proj from q, k, v; gate_up_proj from gate, up) sent in
+        parts over several sessions would keep uninitialised memory for the parts sent elsewhere."""
         is_peft = hasattr(model, "merge_adapter")
         if is_peft:
             model.merge_adapter()  # send base + LoRA as plain weights, under the base model's names
+        weights = []
         for name, parameter in model.named_parameters():
             if is_peft:
                 if "lora_" in name:
                     continue
                 name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            self.client.update_named_param(name, parameter.data)
+            weights.append((name, parameter.data))
+        metadata = [(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)) for name, tensor in weights]
+        self.client.update_named_params(metadata, iter(weights))
         if is_peft:
             model.unmerge_adapter()
         self.client.reset_prefix_cache()

@@ -20,24 +20,50 @@ One step:
    the last action of one turn to the first action of the next across them. gamma = lambda = 1.
    Advantages are whitened over the actions of the batch.
 5. `ppo_epochs` passes over shuffled minibatches of dialogues: clipped policy loss, entropy bonus,
-   clipped value loss, each network with its own optimizer and gradient clipping.
+   clipped value loss. Policy and critic are one module with one optimizer (a parameter group, and
+   learning rate, per network): accelerate under DeepSpeed prepares one model per Accelerator. Each
+   network's gradients are clipped to max_grad_norm on their own; under DeepSpeed the engine clips
+   instead, the norm of both networks together (its `gradient_clipping`, set to max_grad_norm).
 
 Simplifications, on purpose: losses are means over action tokens of the minibatch (token-mean);
 the critic is a separate network (initialised from the policy, or from `critic_model_name_or_path`)
 with a zero-initialised linear value head. By default one dialogue is one row (the policy keeps
 its earlier thoughts, as in train_grpo.py); `--per_turn_rows` trains the paper's layout instead,
 each policy turn a row whose context drops earlier thoughts, all rows sharing the dialogue's
-reward. Logged metrics and transcripts are those of train_grpo.py, plus ppo/* losses.
+reward. Logged metrics and transcripts are those of train_grpo.py, plus ppo/* losses. The output
+folder and each checkpoint's policy/ folder hold the tokenizer beside the weights, for the evaluations.
+Under DeepSpeed a checkpoint also holds deepspeed/, the engine's state with every rank's optimizer
+shard, which --resume restores: 16 B x P in all, 235 GB for the recipe (P below), so mind save_steps.
+
+Memory of the recipe (Qwen2.5-7B policy and critic, full fine-tune, ZeRO-2, 8 x 80 GB): the policy
+has 7.62B parameters, the critic 7.07B (the policy's body without its 0.54B output layer), P = 14.69B.
+ZeRO-2 keeps the bf16 weights whole on every GPU and shards gradients and optimizer states over 8:
+  bf16 weights, replicated          2 B x P     = 29.4 GB
+  bf16 gradients, sharded           2 B x P / 8 =  3.7 GB
+  fp32 master weights, sharded      4 B x P / 8 =  7.3 GB
+  Adam moments (fp32 m, v), sharded 8 B x P / 8 = 14.7 GB
+  model states per GPU                          = 55.1 GB of 80
+plus, while stepping, an fp32 copy of the gradient shard (4 B x P / 8 = 7.3 GB). Without DeepSpeed
+every GPU would hold all of it, 16 B x P = 235 GB: the recipe needs accelerate_configs/zero2.yaml.
+What is left (~18-25 GB, less DeepSpeed's ~1 GB buckets) must hold a minibatch's activations, and
+they are the limit: with --gradient_checkpointing ~1 MB per token for both networks, and ~3.3 MB per
+action position and row for the log-probs (22 B x 152064: bf16 logits, their fp32 copy, log-softmax
+and entropy terms, all held whole). A minibatch (one micro-batch: no gradient accumulation) of 4
+dialogues of 16k tokens would need ~65 GB for the first alone: such dialogues need a smaller
+minibatch_size, or log-probs scored in chunks and accumulation over micro-batches (not done here).
 """
 import json
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import DistributedType, LoggerType
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
 
@@ -54,6 +80,12 @@ class PPOArguments:
     model_name_or_path: str = field(default=simulator.PACKAGED_MODEL, metadata={"help": "policy (paper: Qwen2.5-7B-Instruct)"})
     critic_model_name_or_path: str | None = field(default=None, metadata={"help": "critic body; default: the policy's"})
     use_peft: bool = field(default=True, metadata={"help": "LoRA on policy and critic (paper: full fine-tune)"})
+    # A full fine-tune needs fp32 master weights: AdamW's steps of ~lr are far below bf16's resolution
+    # (1/256 of a weight). DeepSpeed keeps them; plain torch would silently not learn (refused below).
+    dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={
+        "help": "weights' dtype; auto: the checkpoint's (demo: float32; Qwen2.5: bfloat16, for DeepSpeed or LoRA)"})
+    gradient_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute activations in the backward pass: needed for long dialogues on 7B models"})
     lora_r: int = 16
     lora_alpha: int = 32
     learning_rate: float = field(default=1e-3, metadata={"help": "policy lr (paper: 1e-6; LoRA demo: 1e-3)"})
@@ -83,9 +115,9 @@ class PPOArguments:
     seed: int = 42
     save_steps: int = field(default=10, metadata={"help": "checkpoint every N steps"})
     resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint in output_dir"})
-    report_to: str = field(default="none", metadata={"help": "none, tensorboard, wandb or trackio"})
+    report_to: str = field(default="none", metadata={"help": "none, tensorboard, wandb or trackio (its package installed)"})
     use_vllm: bool = field(default=False, metadata={
-        "help": "generate with `trl vllm-serve` on other GPUs (untested here), weights pushed every step"})
+        "help": "generate with `trl vllm-serve` on other GPUs, weights pushed every step (one process)"})
     vllm_server_host: str = "0.0.0.0"
     vllm_server_port: int = 8000
     per_turn_rows: bool = field(default=False, metadata={
@@ -117,26 +149,66 @@ class Critic(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask):
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.value_head(hidden).squeeze(-1)
+        # A bf16 body feeds an fp32 head (LoRA, or a full fine-tune before DeepSpeed casts both); the
+        # values leave in fp32, as the log-probs do, for the advantage and loss arithmetic.
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
 
-def lora(model, args: PPOArguments):
+class PolicyAndCritic(torch.nn.Module):
+    """Both networks as one module: accelerate under DeepSpeed prepares one model per Accelerator, and
+    one forward pass through the prepared wrapper (DDP, DeepSpeed engine, autocast) serves both."""
+
+    def __init__(self, policy, critic: Critic):
+        super().__init__()
+        self.policy, self.critic = policy, critic
+
+    def forward(self, input_ids, attention_mask, action_mask, temperature: float, with_entropy: bool = False):
+        """(log-probs, entropy or None, values) at every position; see token_logprobs and state_values."""
+        logprobs, entropy = token_logprobs(self.policy, input_ids, attention_mask, action_mask, temperature,
+                                           with_entropy)
+        return logprobs, entropy, state_values(self.critic, input_ids, attention_mask)
+
+
+def trainable(model, args: PPOArguments):
+    """Gradient checkpointing and LoRA, as the options ask."""
+    if args.gradient_checkpointing:  # non-reentrant: needs no input gradients under a frozen LoRA base
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not args.use_peft:
         return model
     return get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0))
 
 
 def load_models(args: PPOArguments):
+    """(policy and critic as one module, frozen reference or None)."""
     policy_path = simulator.resolve_model(args.model_name_or_path)
-    policy = lora(AutoModelForCausalLM.from_pretrained(policy_path), args)
-    body = AutoModel.from_pretrained(simulator.resolve_model(args.critic_model_name_or_path or policy_path))
-    critic = Critic(lora(body, args), body.config.hidden_size)
+    # The policy's LoRA first: its random initialisation draws from the seed before the critic's.
+    policy = trainable(AutoModelForCausalLM.from_pretrained(policy_path, dtype=args.dtype), args)
+    body = AutoModel.from_pretrained(simulator.resolve_model(args.critic_model_name_or_path or policy_path),
+                                     dtype=args.dtype)
+    critic = Critic(trainable(body, args), body.config.hidden_size)
     if args.use_peft:
         critic.value_head.requires_grad_(True)
     reference = None
     if args.kl_coef > 0:
-        reference = AutoModelForCausalLM.from_pretrained(policy_path).eval().requires_grad_(False)
-    return policy, critic, reference
+        reference = AutoModelForCausalLM.from_pretrained(policy_path, dtype=args.dtype).eval().requires_grad_(False)
+    return PolicyAndCritic(policy, critic), reference
+
+
+def make_optimizer(model: PolicyAndCritic, args: PPOArguments):
+    """One AdamW, a parameter group per network: the same updates as one optimizer per network."""
+    return torch.optim.AdamW([
+        {"params": [p for p in model.policy.parameters() if p.requires_grad], "lr": args.learning_rate},
+        {"params": [p for p in model.critic.parameters() if p.requires_grad], "lr": args.critic_learning_rate}])
+
+
+def prepare(accelerator, model: PolicyAndCritic, optimizer, args: PPOArguments):
+    """accelerator.prepare, after telling DeepSpeed what no dataloader tells it: rows per optimizer step
+    and the clipping norm (its engine clips both networks together, by default to 1.0)."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        deepspeed_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        deepspeed_config["train_micro_batch_size_per_gpu"] = args.minibatch_size
+        deepspeed_config["gradient_clipping"] = args.max_grad_norm
+    return accelerator.prepare(model, optimizer)
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,17 +237,15 @@ def per_turn_rows(dialogue) -> list[tuple[list[int], list[int]]]:
     return rows
 
 
-def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
-    """Right-padded ids, attention mask and float action mask from (ids, action mask) rows."""
+def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, device) -> dict:
+    """Right-padded ids, attention mask and float action mask from (ids, action mask) rows, on `device`."""
     width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    action_mask = torch.zeros((len(rows), width), dtype=torch.float)
-    for i, (ids, mask) in enumerate(rows):
-        input_ids[i, :len(ids)] = torch.tensor(ids)
-        attention_mask[i, :len(ids)] = 1
-        action_mask[i, :len(ids)] = torch.tensor(mask, dtype=torch.float)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "action_mask": action_mask}
+    padding = [width - len(ids) for ids, _ in rows]
+    return {"input_ids": torch.tensor([ids + [pad_id] * pad for (ids, _), pad in zip(rows, padding)], device=device),
+            "attention_mask": torch.tensor([[1] * len(ids) + [0] * pad for (ids, _), pad in zip(rows, padding)],
+                                           device=device),
+            "action_mask": torch.tensor([mask + [0] * pad for (_, mask), pad in zip(rows, padding)],
+                                        dtype=torch.float, device=device)}
 
 
 def token_logprobs(model, input_ids, attention_mask, action_mask, temperature: float, with_entropy: bool = False):
@@ -204,37 +274,34 @@ def select_rows(batch: dict, rows: list[int]) -> dict:
     return {key: value[rows] for key, value in batch.items()}
 
 
-def forward(policy, critic, batch: dict, temperature: float):
-    """(log-probs, entropy, values) at the actions of `batch`, with their graphs."""
-    logprobs, entropy = token_logprobs(policy, batch["input_ids"], batch["attention_mask"], batch["action_mask"],
-                                       temperature, with_entropy=True)
-    return logprobs, entropy, state_values(critic, batch["input_ids"], batch["attention_mask"])
+def forward(model, batch: dict, temperature: float, with_entropy: bool = True):
+    """(log-probs, entropy, values) at the actions of `batch`, through the prepared PolicyAndCritic."""
+    return model(batch["input_ids"], batch["attention_mask"], batch["action_mask"], temperature, with_entropy)
 
 
-def old_logprobs_and_values(policy, critic, batch: dict, first_minibatch: list[int], temperature: float):
+def old_logprobs_and_values(model, batch: dict, first_minibatch: list[int], temperature: float):
     """Log-probs and values of every row before the update, and the first minibatch's forward pass.
     That minibatch is trained before any weight changes, so its old log-probs and values are its new
     ones, detached: its pass is made once, with graphs, and serves both (with one minibatch per batch,
     as in the demo, no separate no-grad pass is made at all)."""
-    first = forward(policy, critic, select_rows(batch, first_minibatch), temperature)
+    first = forward(model, select_rows(batch, first_minibatch), temperature)
     old_logprobs, old_values = torch.zeros_like(batch["action_mask"]), torch.zeros_like(batch["action_mask"])
     old_logprobs[first_minibatch], old_values[first_minibatch] = first[0].detach(), first[2].detach()
     rest = [row for row in range(len(old_logprobs)) if row not in first_minibatch]
     if rest:
         with torch.no_grad():
-            others = select_rows(batch, rest)
-            old_logprobs[rest], _ = token_logprobs(policy, others["input_ids"], others["attention_mask"],
-                                                   others["action_mask"], temperature)
-            old_values[rest] = state_values(critic, others["input_ids"], others["attention_mask"])
+            old_logprobs[rest], _, old_values[rest] = forward(model, select_rows(batch, rest), temperature,
+                                                              with_entropy=False)
     return old_logprobs, old_values * batch["action_mask"], first
 
 
 def place_rewards(action_mask, final_rewards, logprobs=None, ref_logprobs=None, kl_coef: float = 0.0):
     """Final reward on the last action of each row; minus kl_coef * (logp - ref_logp) on every action."""
     rewards = torch.zeros_like(action_mask)
-    positions = torch.arange(action_mask.size(1)).expand_as(action_mask)
+    positions = torch.arange(action_mask.size(1), device=action_mask.device).expand_as(action_mask)
     last_action = (positions * action_mask).argmax(dim=1)
-    rewards[torch.arange(len(rewards)), last_action] = torch.as_tensor(final_rewards, dtype=rewards.dtype)
+    rows = torch.arange(len(rewards), device=rewards.device)
+    rewards[rows, last_action] = torch.as_tensor(final_rewards, dtype=rewards.dtype, device=rewards.device)
     if kl_coef > 0:
         rewards -= kl_coef * (logprobs - ref_logprobs) * action_mask
     return rewards
@@ -244,8 +311,8 @@ def masked_gae(rewards, values, action_mask, gamma: float, lam: float):
     """GAE over the actions only: a non-action position is skipped, neither receiving an advantage
     nor cutting the chain; the value after a row's last action is 0 (the dialogue is over)."""
     advantages = torch.zeros_like(rewards)
-    next_value = torch.zeros(rewards.size(0))
-    running = torch.zeros(rewards.size(0))
+    next_value = torch.zeros_like(rewards[:, 0])
+    running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.size(1))):
         is_action = action_mask[:, t] > 0
         delta = rewards[:, t] + gamma * next_value - values[:, t]
@@ -286,35 +353,65 @@ def ppo_losses(new_logprobs, entropy, new_values, batch, args: PPOArguments):
     return policy_loss - args.entropy_coef * entropy_mean, value_loss, stats
 
 
+def optimizer_step(accelerator, networks: PolicyAndCritic, optimizer, policy_loss, value_loss, max_grad_norm: float):
+    """One step for both networks. They share no weights, so each gets the gradient of its own loss and
+    is clipped on its own: the updates of an optimizer and a clipping per network. Under DeepSpeed the
+    backward also clips (both networks' norm together, to its `gradient_clipping`) and steps, and the
+    clipping and step calls after it do nothing."""
+    optimizer.zero_grad()
+    accelerator.backward(policy_loss + value_loss)
+    for network in (networks.policy, networks.critic):
+        accelerator.clip_grad_norm_(network.parameters(), max_grad_norm)
+    optimizer.step()
+
+
 # --------------------------------------------------------------------------------------------
 # Checkpoints
 # --------------------------------------------------------------------------------------------
 
-def save_checkpoint(folder: Path, step: int, policy, critic, policy_optimizer, critic_optimizer, accelerator):
+def save_policy(folder: Path, model: PolicyAndCritic, tokenizer) -> None:
+    """The policy with its tokenizer, so that the evaluations can load the folder as a model."""
+    model.policy.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def save_checkpoint(folder: Path, step: int, model, optimizer, tokenizer, accelerator) -> None:
+    """Called on every rank: under DeepSpeed each rank holds a shard of the optimizer, which the engine
+    saves (with every rank's RNG) into deepspeed/. Elsewhere the optimizer is whole on rank 0."""
     partial = folder.with_name(folder.name + ".partial")
-    partial.mkdir(parents=True, exist_ok=True)
-    accelerator.unwrap_model(policy).save_pretrained(partial / "policy")
-    torch.save(accelerator.unwrap_model(critic).state_dict(), partial / "critic.pt")
-    torch.save({"step": step, "policy_optimizer": policy_optimizer.state_dict(),
-                "critic_optimizer": critic_optimizer.state_dict(),
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}},
-               partial / "state.pt")
-    partial.rename(folder)  # a checkpoint folder appears only once complete
+    networks = accelerator.unwrap_model(model)
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    if deepspeed:
+        accelerator.save_state(partial / "deepspeed")
+    if accelerator.is_main_process:
+        partial.mkdir(parents=True, exist_ok=True)
+        save_policy(partial / "policy", networks, tokenizer)  # what the evaluations load
+        torch.save(networks.critic.state_dict(), partial / "critic.pt")
+        torch.save({"step": step, "optimizer": None if deepspeed else optimizer.state_dict(),
+                    "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}},
+                   partial / "state.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        partial.rename(folder)  # a checkpoint folder appears only once complete
 
 
-def load_checkpoint(folder: Path, policy, critic, policy_optimizer, critic_optimizer) -> int:
+def load_checkpoint(folder: Path, model, optimizer, accelerator) -> int:
+    """Restore a checkpoint into the prepared model and optimizer; returns its step."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
+    state = torch.load(folder / "state.pt", weights_only=False)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        accelerator.load_state(folder / "deepspeed")  # weights, optimizer shards and every rank's RNG
+        return state["step"]
+    networks = accelerator.unwrap_model(model)
     adapter = folder / "policy" / "adapter_model.safetensors"
     if adapter.is_file():
-        set_peft_model_state_dict(policy, load_file(adapter))
+        set_peft_model_state_dict(networks.policy, load_file(adapter))
     else:
-        policy.load_state_dict(AutoModelForCausalLM.from_pretrained(folder / "policy").state_dict())
-    critic.load_state_dict(torch.load(folder / "critic.pt"))
-    state = torch.load(folder / "state.pt", weights_only=False)
-    policy_optimizer.load_state_dict(state["policy_optimizer"])
-    critic_optimizer.load_state_dict(state["critic_optimizer"])
+        networks.policy.load_state_dict(AutoModelForCausalLM.from_pretrained(folder / "policy").state_dict())
+    networks.critic.load_state_dict(torch.load(folder / "critic.pt"))
+    optimizer.load_state_dict(state["optimizer"])
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -345,11 +442,21 @@ def parse_arguments(argv=None):
     return args
 
 
+def check_tracker(report_to: str) -> None:
+    """accelerate drops a tracker whose package is missing without a word: the run would log nothing.
+    (It refuses an unknown name itself.)"""
+    available = [tracker.value for tracker in get_available_trackers()]
+    if report_to != "none" and report_to in LoggerType and report_to not in available:
+        raise SystemExit(f"--report_to {report_to}: its package is not installed; pip install {report_to} "
+                         "(or pass --report_to none)")
+
+
 def main(argv=None) -> None:
     args, dialogue_args, simulator_args = parse_arguments(argv)
     if dialogue_args.think and args.output_dir == "runs/ppo-demo":
         args.output_dir += "-think"  # the two demo runs side by side
     output_dir = Path(args.output_dir)
+    check_tracker(args.report_to)
     accelerator = Accelerator(log_with=None if args.report_to == "none" else args.report_to, project_dir=str(output_dir))
     suffix = "" if accelerator.num_processes == 1 else f".rank{accelerator.process_index}"  # one file per rank
     transcripts, metrics_file = output_dir / f"transcripts{suffix}.jsonl", output_dir / f"metrics{suffix}.jsonl"
@@ -367,18 +474,22 @@ def main(argv=None) -> None:
     runner = rollout.DialogueRunner(tokenizer, config, chat)
     if chat is not None:  # a wrong URL, key or model name fails now, before any model loads
         runner.loop.run_until_complete(chat.check())  # on the loop that will use its connections
-    policy, critic, reference = load_models(args)
-    policy_optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
-    critic_optimizer = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad], lr=args.critic_learning_rate)
+    model, reference = load_models(args)
+    if (not args.use_peft and model.policy.dtype != torch.float32
+            and accelerator.distributed_type != DistributedType.DEEPSPEED):
+        raise SystemExit(f"a full fine-tune of {model.policy.dtype} weights needs fp32 master weights: launch with "
+                         "--config_file accelerate_configs/zero2.yaml (DeepSpeed), or pass --dtype float32")
+    model, optimizer = prepare(accelerator, model, make_optimizer(model, args), args)
+    networks = accelerator.unwrap_model(model)  # .policy and .critic, for generation and clipping
     start_step = 0
     checkpoint = newest_checkpoint(output_dir) if args.resume else None
     if checkpoint is not None:
-        start_step = load_checkpoint(checkpoint, policy, critic, policy_optimizer, critic_optimizer)
+        start_step = load_checkpoint(checkpoint, model, optimizer, accelerator)
         for path in (transcripts, metrics_file):
             rollout.keep_rows_before(path, start_step)
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
-    policy, critic, policy_optimizer, critic_optimizer = accelerator.prepare(policy, critic, policy_optimizer,
-                                                                             critic_optimizer)
+    if reference is not None:
+        reference.to(accelerator.device)
     if accelerator.is_main_process and args.report_to != "none":
         accelerator.init_trackers("rlver-ppo", config={**vars(args), **vars(dialogue_args)})
 
@@ -407,21 +518,21 @@ def main(argv=None) -> None:
             starts = [(p, openings[p.id]) for p in chosen for _ in range(args.dialogues_per_profile)]
 
             # 1. Rollout with the current policy.
-            policy.eval()
+            model.eval()
             if vllm_generator is not None:
-                vllm_generator.push_weights(accelerator.unwrap_model(policy))
+                vllm_generator.push_weights(networks.policy)
                 generator = vllm_generator
             else:
-                generator = rollout.TransformersGenerator(accelerator.unwrap_model(policy), tokenizer, generation_config)
+                generator = rollout.TransformersGenerator(networks.policy, tokenizer, generation_config)
             dialogues = runner.run(starts, generator)
-            policy.train()
+            model.train()
             rollout_time = time.perf_counter() - started
             try:
-                rollout.check_failures(dialogues, dialogue_args.max_failed_share)
+                rollout.check_failures(dialogues, dialogue_args.max_failed_share, accelerator)
             except rollout.TooManySimulatorFailures as error:
                 folder = output_dir / f"checkpoint-{step}"
-                if step > 0 and not folder.exists() and accelerator.is_main_process:
-                    save_checkpoint(folder, step, policy, critic, policy_optimizer, critic_optimizer, accelerator)
+                if step > 0 and not folder.exists():  # every rank stops here: check_failures agrees across them
+                    save_checkpoint(folder, step, model, optimizer, tokenizer, accelerator)
                 saved = f"{folder} holds the state before it; continue with --resume" if step > 0 else "nothing to save yet"
                 raise SystemExit(f"stopped at step {step} ({saved}): {error}") from None
 
@@ -434,10 +545,10 @@ def main(argv=None) -> None:
                 dialogue_rows = per_turn_rows(dialogue) if args.per_turn_rows else [dialogue_row(dialogue)]
                 rows += dialogue_rows
                 final_rewards += [dialogue_reward] * len(dialogue_rows)  # the rows of a dialogue share its reward
-            batch = pad_batch(rows, pad_id)
+            batch = pad_batch(rows, pad_id, accelerator.device)
             orders = [torch.randperm(len(rows)).tolist() for _ in range(args.ppo_epochs)]
             old_logprobs, old_values, first_forward = old_logprobs_and_values(
-                policy, critic, batch, orders[0][:args.minibatch_size], args.temperature)
+                model, batch, orders[0][:args.minibatch_size], args.temperature)
             ref_logprobs = None
             if reference is not None:
                 with torch.no_grad():
@@ -453,13 +564,9 @@ def main(argv=None) -> None:
             for epoch, indices in enumerate(orders):
                 for first in range(0, len(indices), args.minibatch_size):
                     minibatch = select_rows(batch, indices[first:first + args.minibatch_size])
-                    outputs = first_forward if epoch == first == 0 else forward(policy, critic, minibatch, args.temperature)
+                    outputs = first_forward if epoch == first == 0 else forward(model, minibatch, args.temperature)
                     policy_loss, value_loss, minibatch_stats = ppo_losses(*outputs, minibatch, args)
-                    for loss, model, optimizer in ((policy_loss, policy, policy_optimizer), (value_loss, critic, critic_optimizer)):
-                        optimizer.zero_grad()
-                        accelerator.backward(loss)
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                        optimizer.step()
+                    optimizer_step(accelerator, networks, optimizer, policy_loss, value_loss, args.max_grad_norm)
                     stats.append(minibatch_stats)
 
             # Logging, transcripts, checkpoints.
@@ -481,13 +588,12 @@ def main(argv=None) -> None:
             if args.report_to != "none":
                 accelerator.log(metrics, step=step)
             bar.advance(len(dialogues), metrics.get("emotion/final_mean", float("nan")))
-            if (step + 1) % args.save_steps == 0 and accelerator.is_main_process:
-                save_checkpoint(output_dir / f"checkpoint-{step + 1}", step + 1, policy, critic, policy_optimizer,
-                                critic_optimizer, accelerator)
+            if (step + 1) % args.save_steps == 0:
+                save_checkpoint(output_dir / f"checkpoint-{step + 1}", step + 1, model, optimizer, tokenizer, accelerator)
 
     if accelerator.is_main_process:
-        accelerator.unwrap_model(policy).save_pretrained(output_dir)
-        torch.save(accelerator.unwrap_model(critic).state_dict(), output_dir / "critic.pt")
+        save_policy(output_dir, networks, tokenizer)
+        torch.save(networks.critic.state_dict(), output_dir / "critic.pt")
     accelerator.end_training()
     runner.close()
     accelerator.print(f"read the dialogues: python report.py {output_dir}")

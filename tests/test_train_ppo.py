@@ -164,7 +164,7 @@ def test_with_a_blank_critic_the_first_update_is_grpos_with_one_group(tiny_model
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     lengths = [(5, 6), (5, 9), (5, 4), (5, 7)]  # (prompt and user tokens, sampled tokens) per dialogue
     rows = [(torch.randint(0, 1000, (p + a,)).tolist(), [0] * p + [1] * a) for p, a in lengths]
-    batch = train_ppo.pad_batch(rows, pad_id=0)
+    batch = train_ppo.pad_batch(rows, pad_id=0, device="cpu")
     mask, rewards = batch["action_mask"], torch.tensor([0.30, 0.35, 0.40, 0.30])
     advantages, _ = masked_gae(place_rewards(mask, rewards.tolist()), torch.zeros_like(mask), mask, 1.0, 1.0)
     advantages = train_ppo.whiten(advantages, mask)
@@ -186,7 +186,7 @@ def _rows_with_actions_at_different_places(seed=0):
     for prompt, first, user, second in lengths:
         ids = torch.randint(0, 1000, (prompt + first + user + second,)).tolist()
         rows.append((ids, [0] * prompt + [1] * first + [0] * user + [1] * second))
-    return train_ppo.pad_batch(rows, pad_id=0)
+    return train_ppo.pad_batch(rows, pad_id=0, device="cpu")
 
 
 def test_log_probs_at_actions_match_the_full_logits(tiny_model_dir):
@@ -223,7 +223,8 @@ def test_old_log_probs_and_values_are_those_of_plain_no_grad_passes(tiny_model_d
     torch.nn.init.normal_(critic.value_head.weight)  # non-zero values, so a mix-up of rows shows
     batch = _rows_with_actions_at_different_places()
     mask = batch["action_mask"]
-    old_logprobs, old_values, first = train_ppo.old_logprobs_and_values(policy, critic, batch, first_minibatch, 1.0)
+    model = train_ppo.PolicyAndCritic(policy, critic)
+    old_logprobs, old_values, first = train_ppo.old_logprobs_and_values(model, batch, first_minibatch, 1.0)
     with torch.no_grad():
         plain_logprobs, _ = train_ppo.token_logprobs(policy, batch["input_ids"], batch["attention_mask"], mask, 1.0)
         plain_values = train_ppo.state_values(critic, batch["input_ids"], batch["attention_mask"]) * mask

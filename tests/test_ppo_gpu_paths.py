@@ -1,0 +1,289 @@
+"""train_ppo.py on the paths the CPU demo never takes, each rehearsed on CPU: pushing weights to a vLLM
+server (the fake of tests/fake_vllm), tensors on an accelerator, DeepSpeed ZeRO-2 (when deepspeed is
+installed), and what its outputs must hold for the evaluations."""
+import copy
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import train_ppo
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+FAKE = TESTS / "fake_vllm"
+SMALL_RUN = ["--max_turns", "2", "--max_think_tokens", "4", "--max_reply_tokens", "6", "--profiles_per_step", "1",
+             "--dialogues_per_profile", "2"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def json_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def networks(model_dir):
+    """Policy and critic (full weights) from `model_dir`, the value head non-zero so that values vary."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    body = AutoModel.from_pretrained(model_dir)
+    critic = train_ppo.Critic(body, body.config.hidden_size)
+    torch.nn.init.normal_(critic.value_head.weight)
+    return train_ppo.PolicyAndCritic(AutoModelForCausalLM.from_pretrained(model_dir), critic)
+
+
+def rows_of_three_dialogues():
+    """(ids, action mask) rows of different lengths, actions in two turns with a user turn between."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for prompt, first, user, second in [(4, 3, 2, 3), (6, 2, 0, 0), (3, 5, 1, 2)]:
+        ids = torch.randint(0, 1000, (prompt + first + user + second,), generator=generator).tolist()
+        rows.append((ids, [0] * prompt + [1] * first + [0] * user + [1] * second))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM server: one weight session per push, every context its own completion, tokenizer saved
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vllm_run(tiny_model_dir, tmp_path_factory):
+    """Two PPO steps (LoRA, think) against the fake `trl vllm-serve`, a checkpoint after each;
+    yields (output dir, server log rows, the client's generate calls)."""
+    folder = tmp_path_factory.mktemp("ppo-vllm")
+    port, server_log, client_log = free_port(), folder / "server.log", folder / "client.log"
+    server = subprocess.Popen([sys.executable, str(FAKE / "server.py"), "--port", str(port), "--model",
+                               str(tiny_model_dir), "--log", str(server_log)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        finished = subprocess.run(
+            [sys.executable, str(FAKE / "run.py"), "train_ppo.py", "--use_vllm", "--vllm_server_host", "127.0.0.1",
+             "--vllm_server_port", str(port), "--model_name_or_path", str(tiny_model_dir),
+             "--output_dir", str(folder / "run"), "--think", "--max_steps", "2", "--save_steps", "1", *SMALL_RUN],
+            cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "FAKE_VLLM_LOG": str(client_log)})
+    finally:
+        server.kill()
+        server.wait()
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    generate_calls = [row for row in json_lines(client_log) if row["event"] == "generate_call"]
+    return folder / "run", json_lines(server_log), generate_calls
+
+
+def test_vllm_gets_all_weights_in_one_update_session_per_step(vllm_run, tiny_model_dir):
+    """vLLM rebuilds each layer touched in a session: a fused qkv_proj or gate_up_proj sent in parts over
+    several sessions would keep uninitialised memory (the fake server applies that rule)."""
+    from safetensors import safe_open
+
+    _, server_log, _ = vllm_run
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as checkpoint:
+        weights = len(list(checkpoint.keys()))
+    assert not [row for row in server_log if row["event"] == "update_weights_rejected"]  # PEFT names mapped
+    sessions = [row for row in server_log if row["event"] == "finish_weight_update"]
+    assert len(sessions) == 2  # one per step
+    for pushes, session in enumerate(sessions, start=1):
+        assert session["corrupted_fused_layers"] == []
+        assert session["stats"]["rounds"] == pushes and session["stats"]["tensors"] == pushes * weights
+        assert session["stats"]["layer_restores_with_warning"] == 0  # every weight sent every time
+
+
+def test_every_vllm_generate_call_gets_its_own_completions(vllm_run):
+    _, _, generate_calls = vllm_run
+    assert len(generate_calls) == 8  # 2 steps x 2 turns x (think, reply)
+    for call in generate_calls:
+        assert call["cls"] == "VLLMServerGenerator" and set(call["verdicts"]) == {"own"} and call["logprobs_ok"]
+
+
+def test_outputs_and_checkpoints_hold_the_tokenizer_for_the_evaluations(vllm_run, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    output_dir, _, _ = vllm_run
+    text = "I hear you. That sounds exhausting."
+    expected = AutoTokenizer.from_pretrained(tiny_model_dir)(text).input_ids
+    for folder in (output_dir, output_dir / "checkpoint-1" / "policy", output_dir / "checkpoint-2" / "policy"):
+        assert (folder / "adapter_model.safetensors").is_file()
+        assert AutoTokenizer.from_pretrained(folder)(text).input_ids == expected
+
+
+# --------------------------------------------------------------------------------------------
+# Devices: every tensor follows its inputs
+# --------------------------------------------------------------------------------------------
+
+def test_ppo_tensors_are_made_on_the_device_of_the_models_and_batch(tiny_model_dir):
+    """On a GPU, a tensor made without device= lands on the CPU and mixing it with CUDA tensors raises.
+    Rehearsal: the models and the batch on the CPU while the default device is `meta`, so a tensor made
+    without a device lands on meta and mixing it with the CPU's raises the same way."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = networks(tiny_model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    rows, args = rows_of_three_dialogues(), train_ppo.PPOArguments()
+    with torch.device("meta"):
+        batch = train_ppo.pad_batch(rows, pad_id=0, device="cpu")
+        mask = batch["action_mask"]
+        old_logprobs, old_values, _ = train_ppo.old_logprobs_and_values(model, batch, [2, 0], args.temperature)
+        ref_logprobs, _ = train_ppo.token_logprobs(reference, batch["input_ids"], batch["attention_mask"], mask,
+                                                   args.temperature)
+        rewards = train_ppo.place_rewards(mask, [0.3, 0.5, 0.4], old_logprobs, ref_logprobs, kl_coef=0.1)
+        advantages, returns = train_ppo.masked_gae(rewards, old_values, mask, gamma=0.9, lam=0.8)
+        batch.update(old_logprobs=old_logprobs, old_values=old_values, returns=returns,
+                     advantages=train_ppo.whiten(advantages, mask))
+        minibatch = train_ppo.select_rows(batch, [1])
+        policy_loss, value_loss, _ = train_ppo.ppo_losses(*train_ppo.forward(model, minibatch, args.temperature),
+                                                          minibatch, args)
+        (policy_loss + value_loss).backward()
+    for tensor in (*batch.values(), rewards, policy_loss, value_loss, model.critic.value_head.weight.grad):
+        assert tensor.device.type == "cpu"
+
+
+# --------------------------------------------------------------------------------------------
+# One module, one optimizer (DeepSpeed's one model per Accelerator), the demo's updates unchanged
+# --------------------------------------------------------------------------------------------
+
+def test_one_optimizer_clips_and_steps_each_network_as_an_optimizer_per_network_did(tiny_model_dir):
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    args = train_ppo.PPOArguments(max_grad_norm=0.01)  # small: clipping bites, each network by its own norm
+    model = networks(tiny_model_dir)
+    twin = copy.deepcopy(model)
+    optimizer = train_ppo.make_optimizer(model, args)
+    twin_optimizers = [(twin.policy, torch.optim.AdamW(twin.policy.parameters(), lr=args.learning_rate)),
+                       (twin.critic, torch.optim.AdamW(twin.critic.parameters(), lr=args.critic_learning_rate))]
+    batch = train_ppo.pad_batch(rows_of_three_dialogues(), pad_id=0, device="cpu")
+    batch.update({key: torch.randn(batch["action_mask"].shape)
+                  for key in ("old_logprobs", "old_values", "returns", "advantages")})
+    for _ in range(2):
+        policy_loss, value_loss, _ = train_ppo.ppo_losses(*train_ppo.forward(model, batch, 1.0), batch, args)
+        train_ppo.optimizer_step(accelerator, model, optimizer, policy_loss, value_loss, args.max_grad_norm)
+        twin_losses = train_ppo.ppo_losses(*train_ppo.forward(twin, batch, 1.0), batch, args)[:2]
+        for loss, (network, network_optimizer) in zip(twin_losses, twin_optimizers):
+            network_optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(network.parameters(), args.max_grad_norm)
+            network_optimizer.step()
+    for (name, parameter), twin_parameter in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(parameter, twin_parameter), name
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSpeed ZeRO-2, as the recipe launches it, on 2 CPU ranks
+# --------------------------------------------------------------------------------------------
+
+DEEPSPEED_ON_CPU = '''"""Runs a script under accelerate + DeepSpeed on CPU: gloo stands in for NCCL, everything else is real."""
+import os
+import runpy
+import sys
+
+from accelerate.state import PartialState
+
+find_backend = PartialState._prepare_backend
+
+
+def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+    found, distributed_type = find_backend(self, cpu, sagemaker_dp, backend)
+    return found or "gloo", distributed_type  # accelerate finds no backend without a GPU
+
+
+PartialState._prepare_backend = prepare_backend
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def zero2_run(model_dir, folder: Path, output_dir: Path, *flags) -> subprocess.CompletedProcess:
+    """train_ppo.py under accelerate_configs/zero2.yaml on 2 CPU ranks, with the recipe's full fine-tune in bf16."""
+    config = yaml.safe_load((REPO / "accelerate_configs" / "zero2.yaml").read_text())
+    config.update(num_processes=2, main_process_port=free_port())
+    (folder / "zero2.yaml").write_text(yaml.safe_dump(config))
+    (folder / "deepspeed_on_cpu.py").write_text(DEEPSPEED_ON_CPU)
+    finished = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(folder / "zero2.yaml"),
+         str(folder / "deepspeed_on_cpu.py"), str(REPO / "train_ppo.py"), "--model_name_or_path", str(model_dir),
+         "--output_dir", str(output_dir), "--use_peft", "false", "--dtype", "bfloat16", "--gradient_checkpointing",
+         "--minibatch_size", "1", "--max_grad_norm", "0.5", *SMALL_RUN, *flags],
+        cwd=folder, capture_output=True, text=True, timeout=400,
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return finished
+
+
+@pytest.fixture(scope="module")
+def zero2_output(tiny_model_dir, tmp_path_factory):
+    """Two steps under ZeRO-2, a checkpoint after each."""
+    pytest.importorskip("deepspeed")  # not in requirements.txt: requirements-gpu.txt installs it
+    folder = tmp_path_factory.mktemp("ppo-zero2")
+    zero2_run(tiny_model_dir, folder, folder / "run", "--max_steps", "2", "--save_steps", "1")
+    return folder / "run"
+
+
+def test_the_recipe_setup_trains_both_networks_under_deepspeed_zero2(zero2_output, tiny_model_dir):
+    """accelerate prepares one model under DeepSpeed, takes the micro-batch size (no dataloader) and the
+    clipping norm from train_ppo, and ZeRO-2 trains both networks."""
+    from safetensors.torch import load_file
+
+    for rank in (0, 1):  # each rank played its own dialogues
+        assert [row["step"] for row in json_lines(zero2_output / f"metrics.rank{rank}.jsonl")] == [0, 1]
+    engine = torch.load(zero2_output / "checkpoint-2" / "deepspeed" / "pytorch_model" / "mp_rank_00_model_states.pt",
+                        weights_only=False)
+    config = engine["ds_config"]
+    assert config["zero_optimization"]["stage"] == 2 and config["bf16"]["enabled"]
+    assert config["train_micro_batch_size_per_gpu"] == 1 and config["gradient_clipping"] == 0.5
+    assert engine["global_steps"] == 4  # 2 steps x 2 minibatches of one row: one engine step per minibatch
+    trained, start = load_file(zero2_output / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
+    assert all(trained[name].dtype == torch.bfloat16 for name in trained)
+    assert any(not torch.equal(trained[name].float(), start[name].float()) for name in start)
+    assert torch.load(zero2_output / "critic.pt")["value_head.weight"].abs().sum() > 0  # zero-initialised
+
+
+def test_a_zero2_run_resumes_from_its_checkpoint(zero2_output, tiny_model_dir, tmp_path):
+    """Every rank saves its optimizer shard into the checkpoint and --resume restores the engine's state."""
+    output_dir = tmp_path / "run"
+    shutil.copytree(zero2_output, output_dir)
+    finished = zero2_run(tiny_model_dir, tmp_path, output_dir, "--max_steps", "3", "--save_steps", "1", "--resume")
+    assert f"resumed from {output_dir / 'checkpoint-2'} at step 2" in finished.stdout
+    for rank in (0, 1):
+        assert [row["step"] for row in json_lines(output_dir / f"metrics.rank{rank}.jsonl")] == [0, 1, 2]
+    engine = torch.load(output_dir / "checkpoint-3" / "deepspeed" / "pytorch_model" / "mp_rank_00_model_states.pt",
+                        weights_only=False)
+    assert engine["global_steps"] == 6  # the engine's 4 steps restored, then step 2's two minibatches
+
+
+# --------------------------------------------------------------------------------------------
+# Refused at start-up
+# --------------------------------------------------------------------------------------------
+
+def test_a_missing_tracker_package_stops_the_run_before_any_model_loads(tmp_path):
+    from accelerate.tracking import get_available_trackers
+
+    available = {tracker.value for tracker in get_available_trackers()}
+    missing = next((name for name in ("trackio", "wandb", "tensorboard") if name not in available), None)
+    if missing is None:
+        pytest.skip("trackio, wandb and tensorboard are all installed")
+    finished = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--report_to", missing,
+                               "--model_name_or_path", str(tmp_path / "no-model"), "--output_dir", str(tmp_path / "run")],
+                              capture_output=True, text=True, timeout=120)
+    assert finished.returncode != 0 and "Traceback" not in finished.stderr
+    assert f"pip install {missing}" in finished.stderr.strip().splitlines()[-1]
+
+
+def test_a_bf16_full_fine_tune_without_deepspeed_is_refused(tiny_model_dir, tmp_path):
+    """Plain AdamW on bf16 weights would round its small steps away and silently not learn."""
+    finished = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
+                               "--output_dir", str(tmp_path / "run"), "--use_peft", "false", "--dtype", "bfloat16"],
+                              capture_output=True, text=True, timeout=120)
+    assert finished.returncode != 0 and "Traceback" not in finished.stderr
+    assert "needs fp32 master weights" in finished.stderr and "zero2.yaml" in finished.stderr
