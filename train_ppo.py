@@ -10,8 +10,8 @@ One step:
    `env_mask` = 1 on the tokens the policy sampled (its actions) and 0 on everything inserted.
 2. Old log-probs (policy) and values (critic) at every action, computed once from the batch. The
    value of an action is the critic's estimate at the state just before it was sampled. The first
-   minibatch's pass doubles as its training pass (nothing has changed yet), so the demo, with one
-   minibatch per batch, makes one forward pass per network per step.
+   micro-batch's pass doubles as its training pass (nothing has changed yet), so the demo, with one
+   minibatch of one micro-batch per batch, makes one forward pass per network per step.
 3. Reward: final emotion / 100 (minus the optional format penalty), placed on the last token the
    policy sampled; with kl_coef > 0, minus kl_coef * (logp - ref_logp) on every action (a frozen
    reference is loaded only then; the paper used none).
@@ -20,10 +20,14 @@ One step:
    the last action of one turn to the first action of the next across them. gamma = lambda = 1.
    Advantages are whitened over the actions of the batch.
 5. `ppo_epochs` passes over shuffled minibatches of dialogues: clipped policy loss, entropy bonus,
-   clipped value loss. Policy and critic are one module with one optimizer (a parameter group, and
-   learning rate, per network): accelerate under DeepSpeed prepares one model per Accelerator. Each
-   network's gradients are clipped to max_grad_norm on their own; under DeepSpeed the engine clips
-   instead, the norm of both networks together (its `gradient_clipping`, set to max_grad_norm).
+   clipped value loss, one optimizer step per minibatch. A minibatch's rows go through the networks
+   `micro_batch_size` at a time (default: all at once), their gradients accumulated; the policy's
+   log-probs are scored LOGPROB_CHUNK action positions at a time, each chunk recomputed in the
+   backward pass, so that one chunk's logits live at once. Policy and critic are one module with one
+   optimizer (a parameter group, and learning rate, per network): accelerate under DeepSpeed prepares
+   one model per Accelerator. Each network's gradients are clipped to max_grad_norm on their own;
+   under DeepSpeed the engine clips instead, the norm of both networks together (its
+   `gradient_clipping`, set to max_grad_norm).
 
 Simplifications, on purpose: losses are means over action tokens of the minibatch (token-mean);
 the critic is a separate network (initialised from the policy, or from `critic_model_name_or_path`)
@@ -35,22 +39,36 @@ folder and each checkpoint's policy/ folder hold the tokenizer beside the weight
 Under DeepSpeed a checkpoint also holds deepspeed/, the engine's state with every rank's optimizer
 shard, which --resume restores: 16 B x P in all, 235 GB for the recipe (P below), so mind save_steps.
 
-Memory of the recipe (Qwen2.5-7B policy and critic, full fine-tune, ZeRO-2, 8 x 80 GB): the policy
-has 7.62B parameters, the critic 7.07B (the policy's body without its 0.54B output layer), P = 14.69B.
-ZeRO-2 keeps the bf16 weights whole on every GPU and shards gradients and optimizer states over 8:
+Memory of the recipe (Qwen2.5-7B policy and critic, full fine-tune, ZeRO-2, 8 x 80 GB, dialogues of up
+to 16384 tokens, micro_batch_size 1), in GB of 1e9 B: the policy has 7.62B parameters, the critic
+7.07B (the policy's body without its 0.54B output layer), P = 14.69B. ZeRO-2 keeps the bf16 weights
+whole on every GPU and shards gradients and optimizer states over 8:
   bf16 weights, replicated          2 B x P     = 29.4 GB
   bf16 gradients, sharded           2 B x P / 8 =  3.7 GB
   fp32 master weights, sharded      4 B x P / 8 =  7.3 GB
   Adam moments (fp32 m, v), sharded 8 B x P / 8 = 14.7 GB
-  model states per GPU                          = 55.1 GB of 80
-plus, while stepping, an fp32 copy of the gradient shard (4 B x P / 8 = 7.3 GB). Without DeepSpeed
-every GPU would hold all of it, 16 B x P = 235 GB: the recipe needs accelerate_configs/zero2.yaml.
-What is left (~18-25 GB, less DeepSpeed's ~1 GB buckets) must hold a minibatch's activations, and
-they are the limit: with --gradient_checkpointing ~1 MB per token for both networks, and ~3.3 MB per
-action position and row for the log-probs (22 B x 152064: bf16 logits, their fp32 copy, log-softmax
-and entropy terms, all held whole). A minibatch (one micro-batch: no gradient accumulation) of 4
-dialogues of 16k tokens would need ~65 GB for the first alone: such dialogues need a smaller
-minibatch_size, or log-probs scored in chunks and accumulation over micro-batches (not done here).
+  model states per GPU                          = 55.1 GB
+Without DeepSpeed every GPU would hold all of it, 16 B x P = 235 GB: the recipe needs
+accelerate_configs/zero2.yaml. On top of them, the peak of each phase of a step:
+  training (forward and backward of one dialogue; gradient checkpointing):
+    DeepSpeed's gradient reduce bucket, 5e8 x 2 B                                    1.0 GB
+    activations, ~0.8 MB a token x 16384 = 13.1 GB: both networks' checkpointed layer
+      inputs (2 x 28 layers x 3584 x 2 B = 0.40 MB), one layer recomputed in the backward
+      with its gradients (~0.35 MB: a Qwen2.5-7B layer saves 0.23 MB a token, measured),
+      final norms and the hidden states the output layer and value head read (~0.05 MB)  13.1 GB
+    output layer, one chunk of 1024 positions: 1024 x 152064 x 20 B (at the backward's peak,
+      measured: five fp32 copies' worth) = 3.1 GB, and its weight's bf16 gradient summed
+      over the chunks, 152064 x 3584 x 2 B = 1.1 GB                                  4.2 GB
+    total 55.1 + 1.0 + 13.1 + 4.2                                                 = 73.4 GB
+  stepping: an fp32 copy of the gradient shard (4 B x P / 8 = 7.3 GB) and the
+    all-gather bucket (1.0 GB), activations freed: 55.1 + 7.3 + 1.0               = 63.4 GB
+  rollout (transformers generate): the key and value cache of the process's 4 dialogues,
+    56 KiB a token (28 layers x K,V x 4 heads x 128 x 2 B): 4 x 16384 x 57344 B = 3.8 GB,
+    at most 4x wider with the prefix cache's holes (15.0 GB); 55.1 + 15.0          = 70.1 GB
+An "80 GB" GPU holds 85.5 GB (H100: 81559 MiB) to 85.9 GB (A100: 80 GiB): the 73.4 GB peak leaves
+~12 GB for the CUDA context, the allocator's fragmentation and these estimates' error. Each further
+row in a micro-batch adds its activations and output-layer chunk (~16 GB at 16384 tokens), so the
+recipe runs micro-batches of one dialogue; --kl_coef > 0 would add a frozen bf16 reference, 15.2 GB.
 """
 import json
 import random
@@ -65,6 +83,7 @@ from accelerate import Accelerator
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import DistributedType, LoggerType
 from peft import LoraConfig, get_peft_model
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
 
 import rollout
@@ -104,6 +123,8 @@ class PPOArguments:
     # flat (35.2 +- 0.6 -> 34.2 +- 1.4 over 30 steps); one update gave +1.1 +- 1.3, and +5.0 +- 1.1
     # with --seed 1 (README).
     minibatch_size: int = field(default=8, metadata={"help": "rows per optimizer step (demo: the whole batch)"})
+    micro_batch_size: int | None = field(default=None, metadata={
+        "help": "rows per forward and backward pass, gradients accumulated over a minibatch (default: minibatch_size)"})
     gamma: float = field(default=1.0, metadata={"help": "discount (paper: 1)"})
     lam: float = field(default=1.0, metadata={"help": "GAE lambda (paper: 1)"})
     clip_range: float = field(default=0.2, metadata={"help": "policy ratio clip (paper: 0.2)"})
@@ -124,11 +145,17 @@ class PPOArguments:
         "help": "the paper's layout: each policy turn its own row, earlier thoughts dropped from its context"})
 
     def __post_init__(self):
+        if self.micro_batch_size is None:
+            self.micro_batch_size = self.minibatch_size  # no accumulation
         positive, at_least_one, fraction = simulator.POSITIVE, simulator.AT_LEAST_ONE, simulator.FRACTION
+        # DeepSpeed counts a whole number of micro-batches per optimizer step
+        divides_minibatch = (lambda value: value >= 1 and self.minibatch_size % value == 0,
+                             f"at least 1 and divide --minibatch_size {self.minibatch_size}")
         simulator.check_options(
             self, lora_r=at_least_one, learning_rate=positive, critic_learning_rate=positive,
             profiles_per_step=at_least_one, dialogues_per_profile=at_least_one, max_steps=at_least_one,
-            ppo_epochs=at_least_one, minibatch_size=at_least_one, gamma=fraction, lam=fraction, clip_range=positive,
+            ppo_epochs=at_least_one, minibatch_size=at_least_one, micro_batch_size=divides_minibatch,
+            gamma=fraction, lam=fraction, clip_range=positive,
             value_clip_range=positive, entropy_coef=simulator.NOT_NEGATIVE, kl_coef=simulator.NOT_NEGATIVE,
             max_grad_norm=positive, temperature=positive, save_steps=at_least_one)
 
@@ -148,7 +175,7 @@ class Critic(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids, attention_mask):
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         # A bf16 body feeds an fp32 head (LoRA, or a full fine-tune before DeepSpeed casts both); the
         # values leave in fp32, as the log-probs do, for the advantage and loss arithmetic.
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
@@ -202,11 +229,15 @@ def make_optimizer(model: PolicyAndCritic, args: PPOArguments):
 
 
 def prepare(accelerator, model: PolicyAndCritic, optimizer, args: PPOArguments):
-    """accelerator.prepare, after telling DeepSpeed what no dataloader tells it: rows per optimizer step
-    and the clipping norm (its engine clips both networks together, by default to 1.0)."""
+    """accelerator.prepare, after telling DeepSpeed what no dataloader tells it: rows per forward pass,
+    micro-batches per optimizer step, and the clipping norm (its engine clips both networks together,
+    by default to 1.0)."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         deepspeed_config = accelerator.state.deepspeed_plugin.deepspeed_config
-        deepspeed_config["train_micro_batch_size_per_gpu"] = args.minibatch_size
+        accumulation = args.minibatch_size // args.micro_batch_size
+        deepspeed_config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+        deepspeed_config["gradient_accumulation_steps"] = accumulation
+        accelerator.gradient_accumulation_steps = accumulation  # else prepare warns of the mismatch and takes it
         deepspeed_config["gradient_clipping"] = args.max_grad_norm
     return accelerator.prepare(model, optimizer)
 
@@ -248,19 +279,38 @@ def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, device) -> d
                                         dtype=torch.float, device=device)}
 
 
+# Action positions whose logits are computed at once. The output layer's logits are by far the widest
+# tensors (vocab 152064 for Qwen2.5: 0.6 GB per 1024 positions in fp32, in a few copies), so
+# token_logprobs scores one chunk at a time and recomputes it in the backward pass.
+LOGPROB_CHUNK = 1024
+
+
+def score_positions(output_layer, hidden, input_ids, targets, temperature: float, with_entropy: bool):
+    """(log-prob, entropy or None) of the tokens at `targets`, from the hidden states just before them."""
+    logits = output_layer(hidden[:, targets - 1])
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    chosen = logprobs.gather(-1, input_ids[:, targets].unsqueeze(-1)).squeeze(-1)
+    return chosen, -(logprobs.exp() * logprobs).sum(-1) if with_entropy else None
+
+
 def token_logprobs(model, input_ids, attention_mask, action_mask, temperature: float, with_entropy: bool = False):
     """Log-prob of each action token given the tokens before it, 0 elsewhere; with `with_entropy` the
-    entropy there too (else None). Logits are computed only where some row has an action: the
-    49k-wide output layer and softmax at prompt and user tokens would be wasted work."""
+    entropy there too (else None). Logits are computed only where some row has an action (the output
+    layer and softmax at prompt and user tokens would be wasted work), LOGPROB_CHUNK positions at a
+    time: each chunk is checkpointed, its backward recomputing its logits from the hidden states, so
+    that one chunk's logits live at a time in both passes. The body and the output layer are called
+    apart (through a PEFT wrapper too: its LoRA layers sit inside them), so the model makes no logits."""
     targets = action_mask.any(dim=0).nonzero().squeeze(-1)  # never position 0: it follows no token
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=targets - 1).logits
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    chosen = torch.zeros(input_ids.shape, dtype=logprobs.dtype, device=logprobs.device)
-    chosen[:, targets] = logprobs.gather(-1, input_ids[:, targets].unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return chosen, None
-    entropy = torch.zeros_like(chosen)
-    entropy[:, targets] = -(logprobs.exp() * logprobs).sum(-1)
+    body, output_layer = model.get_decoder(), model.get_output_embeddings()
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    chosen = torch.zeros(input_ids.shape, dtype=torch.float, device=input_ids.device)
+    entropy = torch.zeros_like(chosen) if with_entropy else None
+    for chunk in targets.split(LOGPROB_CHUNK):
+        chunk_logprobs, chunk_entropy = checkpoint(score_positions, output_layer, hidden, input_ids, chunk,
+                                                   temperature, with_entropy, use_reentrant=False)
+        chosen[:, chunk] = chunk_logprobs
+        if with_entropy:
+            entropy[:, chunk] = chunk_entropy
     return chosen, entropy
 
 
@@ -275,22 +325,31 @@ def select_rows(batch: dict, rows: list[int]) -> dict:
 
 
 def forward(model, batch: dict, temperature: float, with_entropy: bool = True):
-    """(log-probs, entropy, values) at the actions of `batch`, through the prepared PolicyAndCritic."""
-    return model(batch["input_ids"], batch["attention_mask"], batch["action_mask"], temperature, with_entropy)
+    """(log-probs, entropy, values) at the actions of `batch`, through the prepared PolicyAndCritic. Rows
+    taken from a longer batch keep its width: the columns after their own longest row (padding only)
+    are not fed, and come back as zeros."""
+    width = int(batch["attention_mask"].sum(dim=1).max())
+    padding = batch["attention_mask"].shape[1] - width
+    outputs = model(batch["input_ids"][:, :width], batch["attention_mask"][:, :width],
+                    batch["action_mask"][:, :width], temperature, with_entropy)
+    if padding == 0:
+        return outputs
+    return tuple(None if output is None else torch.nn.functional.pad(output, (0, padding)) for output in outputs)
 
 
-def old_logprobs_and_values(model, batch: dict, first_minibatch: list[int], temperature: float):
-    """Log-probs and values of every row before the update, and the first minibatch's forward pass.
-    That minibatch is trained before any weight changes, so its old log-probs and values are its new
-    ones, detached: its pass is made once, with graphs, and serves both (with one minibatch per batch,
-    as in the demo, no separate no-grad pass is made at all)."""
-    first = forward(model, select_rows(batch, first_minibatch), temperature)
+def old_logprobs_and_values(model, batch: dict, order: list[int], temperature: float, micro_batch_size: int):
+    """Log-probs and values of every row before the update, and the forward pass of the first
+    micro-batch of the first epoch's `order`. That micro-batch is trained before any weight changes, so
+    its old log-probs and values are its new ones, detached: its pass is made once, with graphs, and
+    serves both (with one micro-batch per batch, as in the demo, no separate no-grad pass is made at
+    all). The other micro-batches are scored without graphs, grouped as the first epoch trains them."""
+    micro_batches = [order[start:start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
+    first = forward(model, select_rows(batch, micro_batches[0]), temperature)
     old_logprobs, old_values = torch.zeros_like(batch["action_mask"]), torch.zeros_like(batch["action_mask"])
-    old_logprobs[first_minibatch], old_values[first_minibatch] = first[0].detach(), first[2].detach()
-    rest = [row for row in range(len(old_logprobs)) if row not in first_minibatch]
-    if rest:
-        with torch.no_grad():
-            old_logprobs[rest], _, old_values[rest] = forward(model, select_rows(batch, rest), temperature,
+    old_logprobs[micro_batches[0]], old_values[micro_batches[0]] = first[0].detach(), first[2].detach()
+    with torch.no_grad():
+        for rows in micro_batches[1:]:
+            old_logprobs[rows], _, old_values[rows] = forward(model, select_rows(batch, rows), temperature,
                                                               with_entropy=False)
     return old_logprobs, old_values * batch["action_mask"], first
 
@@ -324,9 +383,12 @@ def masked_gae(rewards, values, action_mask, gamma: float, lam: float):
     return advantages, returns
 
 
-def masked_mean(values, mask):
+def masked_mean(values, mask, count=None):
+    """Mean over the positions where mask is 1; with `count`, the sum there over `count` instead (a
+    micro-batch's share of its minibatch's mean, `count` being the minibatch's number of actions)."""
     # where, not multiply: an inf or nan at a masked position must not leak in as 0 * inf = nan
-    return torch.where(mask > 0, values, torch.zeros_like(values)).sum() / mask.sum().clamp(min=1)
+    total = torch.where(mask > 0, values, torch.zeros_like(values)).sum()
+    return total / (mask.sum().clamp(min=1) if count is None else count)
 
 
 def whiten(values, mask):
@@ -335,34 +397,59 @@ def whiten(values, mask):
     return torch.where(mask > 0, (values - mean) / (std + 1e-8), torch.zeros_like(values))
 
 
-def ppo_losses(new_logprobs, entropy, new_values, batch, args: PPOArguments):
-    """Clipped policy loss with entropy bonus, and clipped value loss, as means over actions."""
+def ppo_losses(new_logprobs, entropy, new_values, batch, args: PPOArguments, action_count=None):
+    """Clipped policy loss with entropy bonus, and clipped value loss, as means over actions; over
+    `action_count` actions when given (see masked_mean), so that micro-batches' losses and stats add up
+    to their minibatch's."""
     mask = batch["action_mask"]
     ratio = torch.exp(new_logprobs - batch["old_logprobs"])
     advantages = batch["advantages"]
     policy_loss = masked_mean(torch.max(-advantages * ratio,
-                                        -advantages * ratio.clamp(1 - args.clip_range, 1 + args.clip_range)), mask)
-    entropy_mean = masked_mean(entropy, mask)
+                                        -advantages * ratio.clamp(1 - args.clip_range, 1 + args.clip_range)),
+                              mask, action_count)
+    entropy_mean = masked_mean(entropy, mask, action_count)
     clipped_values = batch["old_values"] + (new_values - batch["old_values"]).clamp(-args.value_clip_range,
                                                                                     args.value_clip_range)
     value_loss = 0.5 * masked_mean(torch.max((new_values - batch["returns"]) ** 2,
-                                             (clipped_values - batch["returns"]) ** 2), mask)
+                                             (clipped_values - batch["returns"]) ** 2), mask, action_count)
     stats = {"ppo/policy_loss": policy_loss.item(), "ppo/value_loss": value_loss.item(),
              "ppo/entropy": entropy_mean.item(),
-             "ppo/clip_fraction": masked_mean(((ratio - 1).abs() > args.clip_range).float(), mask).item()}
+             "ppo/clip_fraction": masked_mean(((ratio - 1).abs() > args.clip_range).float(), mask,
+                                              action_count).item()}
     return policy_loss - args.entropy_coef * entropy_mean, value_loss, stats
 
 
-def optimizer_step(accelerator, networks: PolicyAndCritic, optimizer, policy_loss, value_loss, max_grad_norm: float):
-    """One step for both networks. They share no weights, so each gets the gradient of its own loss and
-    is clipped on its own: the updates of an optimizer and a clipping per network. Under DeepSpeed the
-    backward also clips (both networks' norm together, to its `gradient_clipping`) and steps, and the
-    clipping and step calls after it do nothing."""
+def ppo_update(accelerator, model, optimizer, minibatch: dict, args: PPOArguments, first_outputs=None) -> dict:
+    """One optimizer step for both networks on a minibatch, its rows in micro-batches of micro_batch_size
+    (gradient accumulation); returns the minibatch's stats. Each micro-batch's losses are sums over its
+    actions divided by the minibatch's number of actions, so the accumulated gradient is that of the
+    minibatch's token-mean losses. `first_outputs`: the first micro-batch's forward pass, if made
+    already (old_logprobs_and_values).
+
+    The networks share no weights, so each gets the gradient of its own loss and is clipped on its own:
+    the updates of an optimizer and a clipping per network. Under DeepSpeed the engine instead clips
+    (both networks' norm together, to its `gradient_clipping`) and steps inside accelerator.backward,
+    and the clipping and step calls here do nothing. accelerate passes `sync_gradients` to the engine
+    as "this micro-batch ends the accumulation", so it steps after the last micro-batch however many
+    the minibatch has (a batch's last minibatch may be short); and the engine's own division of each
+    loss by gradient_accumulation_steps is turned off, the losses being scaled already."""
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    networks = accelerator.unwrap_model(model)
+    rows, action_count = len(minibatch["action_mask"]), minibatch["action_mask"].sum().clamp(min=1)
+    stats = {}
     optimizer.zero_grad()
-    accelerator.backward(policy_loss + value_loss)
+    for start in range(0, rows, args.micro_batch_size):
+        micro_batch = {key: value[start:start + args.micro_batch_size] for key, value in minibatch.items()}
+        reused = start == 0 and first_outputs is not None
+        outputs = first_outputs if reused else forward(model, micro_batch, args.temperature)
+        policy_loss, value_loss, micro_stats = ppo_losses(*outputs, micro_batch, args, action_count)
+        accelerator.sync_gradients = start + args.micro_batch_size >= rows
+        accelerator.backward(policy_loss + value_loss, **({"scale_wrt_gas": False} if deepspeed else {}))
+        stats = {key: stats.get(key, 0.0) + value for key, value in micro_stats.items()}
     for network in (networks.policy, networks.critic):
-        accelerator.clip_grad_norm_(network.parameters(), max_grad_norm)
+        accelerator.clip_grad_norm_(network.parameters(), args.max_grad_norm)
     optimizer.step()
+    return stats
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,7 +567,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"a full fine-tune of {model.policy.dtype} weights needs fp32 master weights: launch with "
                          "--config_file accelerate_configs/zero2.yaml (DeepSpeed), or pass --dtype float32")
     model, optimizer = prepare(accelerator, model, make_optimizer(model, args), args)
-    networks = accelerator.unwrap_model(model)  # .policy and .critic, for generation and clipping
+    networks = accelerator.unwrap_model(model)  # .policy and .critic, for generation and saving
     start_step = 0
     checkpoint = newest_checkpoint(output_dir) if args.resume else None
     if checkpoint is not None:
@@ -525,6 +612,7 @@ def main(argv=None) -> None:
             else:
                 generator = rollout.TransformersGenerator(networks.policy, tokenizer, generation_config)
             dialogues = runner.run(starts, generator)
+            del generator  # it holds the last call's key and value cache (GBs in the recipe): not kept while training
             model.train()
             rollout_time = time.perf_counter() - started
             try:
@@ -548,7 +636,7 @@ def main(argv=None) -> None:
             batch = pad_batch(rows, pad_id, accelerator.device)
             orders = [torch.randperm(len(rows)).tolist() for _ in range(args.ppo_epochs)]
             old_logprobs, old_values, first_forward = old_logprobs_and_values(
-                model, batch, orders[0][:args.minibatch_size], args.temperature)
+                model, batch, orders[0], args.temperature, args.micro_batch_size)
             ref_logprobs = None
             if reference is not None:
                 with torch.no_grad():
@@ -564,10 +652,8 @@ def main(argv=None) -> None:
             for epoch, indices in enumerate(orders):
                 for first in range(0, len(indices), args.minibatch_size):
                     minibatch = select_rows(batch, indices[first:first + args.minibatch_size])
-                    outputs = first_forward if epoch == first == 0 else forward(model, minibatch, args.temperature)
-                    policy_loss, value_loss, minibatch_stats = ppo_losses(*outputs, minibatch, args)
-                    optimizer_step(accelerator, networks, optimizer, policy_loss, value_loss, args.max_grad_norm)
-                    stats.append(minibatch_stats)
+                    reused = first_forward if epoch == first == 0 else None
+                    stats.append(ppo_update(accelerator, model, optimizer, minibatch, args, reused))
 
             # Logging, transcripts, checkpoints.
             metrics = rollout.dialogues_metrics(dialogues, config.max_turns)

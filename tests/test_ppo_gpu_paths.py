@@ -132,7 +132,8 @@ def test_ppo_tensors_are_made_on_the_device_of_the_models_and_batch(tiny_model_d
     with torch.device("meta"):
         batch = train_ppo.pad_batch(rows, pad_id=0, device="cpu")
         mask = batch["action_mask"]
-        old_logprobs, old_values, _ = train_ppo.old_logprobs_and_values(model, batch, [2, 0], args.temperature)
+        old_logprobs, old_values, _ = train_ppo.old_logprobs_and_values(model, batch, [2, 0, 1], args.temperature,
+                                                                         micro_batch_size=2)
         ref_logprobs, _ = train_ppo.token_logprobs(reference, batch["input_ids"], batch["attention_mask"], mask,
                                                    args.temperature)
         rewards = train_ppo.place_rewards(mask, [0.3, 0.5, 0.4], old_logprobs, ref_logprobs, kl_coef=0.1)
@@ -166,8 +167,7 @@ def test_one_optimizer_clips_and_steps_each_network_as_an_optimizer_per_network_
     batch.update({key: torch.randn(batch["action_mask"].shape)
                   for key in ("old_logprobs", "old_values", "returns", "advantages")})
     for _ in range(2):
-        policy_loss, value_loss, _ = train_ppo.ppo_losses(*train_ppo.forward(model, batch, 1.0), batch, args)
-        train_ppo.optimizer_step(accelerator, model, optimizer, policy_loss, value_loss, args.max_grad_norm)
+        train_ppo.ppo_update(accelerator, model, optimizer, batch, args)
         twin_losses = train_ppo.ppo_losses(*train_ppo.forward(twin, batch, 1.0), batch, args)[:2]
         for loss, (network, network_optimizer) in zip(twin_losses, twin_optimizers):
             network_optimizer.zero_grad()
@@ -176,6 +176,32 @@ def test_one_optimizer_clips_and_steps_each_network_as_an_optimizer_per_network_
             network_optimizer.step()
     for (name, parameter), twin_parameter in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(parameter, twin_parameter), name
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2])
+def test_an_update_in_micro_batches_is_the_update_on_the_whole_minibatch(tiny_model_dir, micro_batch_size):
+    """Gradient accumulation: each micro-batch's losses are its share of the minibatch's token-means
+    (its rows hold 6, 2 and 7 actions), and clipping and the step come once, after the last one (the
+    last minibatch of a batch may be short: here 3 rows of 4, so micro-batches of 2 end on one row).
+    Gradients, weights and the logged stats are those of one pass over the whole minibatch."""
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = networks(tiny_model_dir)
+    twin = copy.deepcopy(model)
+    batch = train_ppo.pad_batch(rows_of_three_dialogues(), pad_id=0, device="cpu")
+    batch.update({key: torch.randn(batch["action_mask"].shape)
+                  for key in ("old_logprobs", "old_values", "returns", "advantages")})
+    stats = []
+    for network, micro in ((model, 4), (twin, micro_batch_size)):
+        args = train_ppo.PPOArguments(max_grad_norm=0.01, minibatch_size=4, micro_batch_size=micro)  # clipping bites
+        stats.append(train_ppo.ppo_update(accelerator, network, train_ppo.make_optimizer(network, args), batch, args))
+    assert stats[1] == pytest.approx(stats[0], rel=1e-5)
+    for (name, parameter), twin_parameter in zip(model.named_parameters(), twin.parameters()):
+        gradient, twin_gradient = parameter.grad, twin_parameter.grad
+        assert (gradient - twin_gradient).abs().max() <= 1e-5 * gradient.abs().max(), name  # fp32 sums in another order
+        assert torch.allclose(parameter, twin_parameter, atol=1e-5), name  # Adam's first step: ~lr = 1e-3 a weight
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,21 +230,27 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 
-def zero2_run(model_dir, folder: Path, output_dir: Path, *flags) -> subprocess.CompletedProcess:
-    """train_ppo.py under accelerate_configs/zero2.yaml on 2 CPU ranks, with the recipe's full fine-tune in bf16."""
+def zero2_launch(folder: Path, script: Path, *arguments) -> subprocess.CompletedProcess:
+    """`script` under accelerate_configs/zero2.yaml on 2 CPU ranks, train_ppo importable."""
     config = yaml.safe_load((REPO / "accelerate_configs" / "zero2.yaml").read_text())
     config.update(num_processes=2, main_process_port=free_port())
     (folder / "zero2.yaml").write_text(yaml.safe_dump(config))
     (folder / "deepspeed_on_cpu.py").write_text(DEEPSPEED_ON_CPU)
     finished = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(folder / "zero2.yaml"),
-         str(folder / "deepspeed_on_cpu.py"), str(REPO / "train_ppo.py"), "--model_name_or_path", str(model_dir),
-         "--output_dir", str(output_dir), "--use_peft", "false", "--dtype", "bfloat16", "--gradient_checkpointing",
-         "--minibatch_size", "1", "--max_grad_norm", "0.5", *SMALL_RUN, *flags],
+         str(folder / "deepspeed_on_cpu.py"), str(script), *map(str, arguments)],
         cwd=folder, capture_output=True, text=True, timeout=400,
-        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     assert finished.returncode == 0, finished.stderr[-3000:]
     return finished
+
+
+def zero2_run(model_dir, folder: Path, output_dir: Path, *flags) -> subprocess.CompletedProcess:
+    """train_ppo.py under ZeRO-2 with the recipe's full fine-tune in bf16 and its micro-batches of one
+    dialogue: each rank's 2 dialogues are one minibatch of 2 micro-batches."""
+    return zero2_launch(folder, REPO / "train_ppo.py", "--model_name_or_path", model_dir, "--output_dir", output_dir,
+                        "--use_peft", "false", "--dtype", "bfloat16", "--gradient_checkpointing",
+                        "--minibatch_size", "2", "--micro_batch_size", "1", "--max_grad_norm", "0.5", *SMALL_RUN, *flags)
 
 
 @pytest.fixture(scope="module")
@@ -231,8 +263,8 @@ def zero2_output(tiny_model_dir, tmp_path_factory):
 
 
 def test_the_recipe_setup_trains_both_networks_under_deepspeed_zero2(zero2_output, tiny_model_dir):
-    """accelerate prepares one model under DeepSpeed, takes the micro-batch size (no dataloader) and the
-    clipping norm from train_ppo, and ZeRO-2 trains both networks."""
+    """accelerate prepares one model under DeepSpeed, takes the micro-batch size and accumulation steps
+    (no dataloader) and the clipping norm from train_ppo, and ZeRO-2 trains both networks."""
     from safetensors.torch import load_file
 
     for rank in (0, 1):  # each rank played its own dialogues
@@ -241,8 +273,9 @@ def test_the_recipe_setup_trains_both_networks_under_deepspeed_zero2(zero2_outpu
                         weights_only=False)
     config = engine["ds_config"]
     assert config["zero_optimization"]["stage"] == 2 and config["bf16"]["enabled"]
-    assert config["train_micro_batch_size_per_gpu"] == 1 and config["gradient_clipping"] == 0.5
-    assert engine["global_steps"] == 4  # 2 steps x 2 minibatches of one row: one engine step per minibatch
+    assert config["train_micro_batch_size_per_gpu"] == 1 and config["gradient_accumulation_steps"] == 2
+    assert config["gradient_clipping"] == 0.5
+    assert engine["global_steps"] == 2  # 2 steps x 1 minibatch of 2 micro-batches: one engine step per minibatch
     trained, start = load_file(zero2_output / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
     assert all(trained[name].dtype == torch.bfloat16 for name in trained)
     assert any(not torch.equal(trained[name].float(), start[name].float()) for name in start)
@@ -259,7 +292,64 @@ def test_a_zero2_run_resumes_from_its_checkpoint(zero2_output, tiny_model_dir, t
         assert [row["step"] for row in json_lines(output_dir / f"metrics.rank{rank}.jsonl")] == [0, 1, 2]
     engine = torch.load(output_dir / "checkpoint-3" / "deepspeed" / "pytorch_model" / "mp_rank_00_model_states.pt",
                         weights_only=False)
-    assert engine["global_steps"] == 6  # the engine's 4 steps restored, then step 2's two minibatches
+    assert engine["global_steps"] == 3  # the engine's 2 steps restored, then step 2's minibatch
+
+
+ZERO2_UPDATE = '''"""One train_ppo.ppo_update under DeepSpeed: a minibatch of 2 rows per rank (3 and 9 actions), in
+micro-batches of argv[2] rows; rank 0 saves the engine's step count and gradient norm, the stats, and
+the weights before and after to argv[3]."""
+import sys
+
+import torch
+from accelerate import Accelerator
+
+import train_ppo
+
+model_dir, micro_batch_size, output = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+args = train_ppo.PPOArguments(model_name_or_path=model_dir, use_peft=False, dtype="bfloat16", minibatch_size=2,
+                              micro_batch_size=micro_batch_size, critic_learning_rate=1e-3)
+accelerator = Accelerator()
+torch.manual_seed(0)
+model, _ = train_ppo.load_models(args)
+model, optimizer = train_ppo.prepare(accelerator, model, train_ppo.make_optimizer(model, args), args)
+networks = accelerator.unwrap_model(model)
+before = {name: weight.float().clone() for name, weight in networks.state_dict().items()}
+generator = torch.Generator().manual_seed(accelerator.process_index)  # each rank its own rows
+rows = [([int(token) for token in torch.randint(0, 1000, (prompt + actions,), generator=generator)],
+         [0] * prompt + [1] * actions) for prompt, actions in ((5, 3), (4, 9))]
+batch = train_ppo.pad_batch(rows, pad_id=0, device=accelerator.device)
+old_logprobs, old_values, first = train_ppo.old_logprobs_and_values(model, batch, [0, 1], 1.0, micro_batch_size)
+shape = batch["action_mask"].shape
+batch.update(old_logprobs=old_logprobs, old_values=old_values, returns=torch.rand(shape, generator=generator),
+             advantages=torch.randn(shape, generator=generator))
+stats = train_ppo.ppo_update(accelerator, model, optimizer, batch, args, first)
+if accelerator.is_main_process:
+    torch.save({"global_steps": model.global_steps, "grad_norm": float(model.get_global_grad_norm()), "stats": stats,
+                "before": before, "after": {name: weight.float() for name, weight in networks.state_dict().items()}},
+               output)
+'''
+
+
+def test_under_zero2_an_update_in_micro_batches_is_the_update_on_the_whole_minibatch(tiny_model_dir, tmp_path):
+    """The engine accumulates the micro-batches and steps once per minibatch, and its own scaling of
+    each loss by 1 / gradient_accumulation_steps is off: the gradient it clips and applies (its norm
+    before clipping, over both ranks) is that of the whole minibatch, to bf16's precision."""
+    pytest.importorskip("deepspeed")
+    (tmp_path / "update.py").write_text(ZERO2_UPDATE)
+    updates = []
+    for micro_batch_size in (2, 1):
+        folder = tmp_path / f"micro-{micro_batch_size}"
+        folder.mkdir()
+        zero2_launch(folder, tmp_path / "update.py", tiny_model_dir, micro_batch_size, folder / "update.pt")
+        updates.append(torch.load(folder / "update.pt"))
+    whole, split = updates
+    assert whole["global_steps"] == split["global_steps"] == 1
+    assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=0.02)  # 1 / 2 if scaled twice
+    assert split["stats"] == pytest.approx(whole["stats"], rel=0.02, abs=1e-4)
+    steps = [torch.cat([(update["after"][name] - update["before"][name]).flatten() for name in update["before"]])
+             for update in updates]
+    assert steps[0].abs().max() > 0
+    assert torch.nn.functional.cosine_similarity(steps[0], steps[1], dim=0) > 0.99
 
 
 # --------------------------------------------------------------------------------------------

@@ -195,8 +195,8 @@ def test_with_vllm_the_share_of_clipped_importance_ratios_is_logged(tiny_model_d
 
 # PPOArguments whose defaults are the CPU demo's, not the paper's: each recipe must state them.
 PPO_DEMO_DEFAULTS = ["model_name_or_path", "output_dir", "use_peft", "dtype", "gradient_checkpointing",
-                     "learning_rate", "profiles_per_step", "dialogues_per_profile", "minibatch_size", "max_steps",
-                     "save_steps", "report_to"]
+                     "learning_rate", "profiles_per_step", "dialogues_per_profile", "minibatch_size", "micro_batch_size",
+                     "max_steps", "save_steps", "report_to"]
 
 
 @pytest.mark.parametrize("recipe", PPO_RECIPES, ids=lambda r: r.name)
@@ -216,6 +216,7 @@ def test_a_ppo_recipe_holds_the_papers_values(recipe):
     per_process = args.profiles_per_step * args.dialogues_per_profile
     assert per_process * processes("zero2.yaml") == DIALOGUES_PER_STEP and args.dialogues_per_profile == 1
     assert args.minibatch_size == per_process  # one update per step on all 32 dialogues, as the paper
+    assert args.micro_batch_size == 1  # one dialogue per forward and backward pass: the memory in its header
     assert args.save_steps == 50 and args.report_to == "trackio"
     assert dialogue_args.max_turns == 8 and dialogue_args.max_dialogue_tokens == 16384
     assert dialogue_args.think == ("think" in recipe.name) and simulator_args.backend == "llm"

@@ -210,10 +210,67 @@ def test_log_probs_at_actions_match_the_full_logits(tiny_model_dir):
     assert logprobs.requires_grad
 
 
-@pytest.mark.parametrize("first_minibatch", [[2, 0, 1], [1], [2, 0]])
-def test_old_log_probs_and_values_are_those_of_plain_no_grad_passes(tiny_model_dir, first_minibatch):
-    """The first minibatch's training pass doubles as its old pass; every row must still get exactly
-    what a separate pass before the update gives, and the reused pass must be that minibatch's."""
+def _all_positions_at_once(model, batch, temperature: float):
+    """Log-probs and entropies at the actions as scored before chunking: the model's own logits at
+    every action position of the batch, all at once."""
+    ids, mask = batch["input_ids"], batch["action_mask"]
+    targets = mask.any(dim=0).nonzero().squeeze(-1)
+    logits = model(input_ids=ids, attention_mask=batch["attention_mask"], logits_to_keep=targets - 1).logits
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    chosen, entropy = torch.zeros_like(mask), torch.zeros_like(mask)
+    chosen[:, targets] = logprobs.gather(-1, ids[:, targets, None]).squeeze(-1)
+    entropy[:, targets] = -(logprobs.exp() * logprobs).sum(-1)
+    return chosen, entropy
+
+
+def test_log_probs_scored_in_chunks_and_their_gradients_equal_those_of_all_positions_at_once(
+        tiny_model_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    batch = _rows_with_actions_at_different_places()
+    mask = batch["action_mask"]
+    assert int(mask.any(dim=0).sum()) == 8
+    monkeypatch.setattr(train_ppo, "LOGPROB_CHUNK", 3)  # 8 action positions: chunks of 3, 3 and 2
+    weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(0))  # every position its own weight
+    scored = []
+    for score in (lambda: train_ppo.token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask, 0.7,
+                                                   with_entropy=True),
+                  lambda: _all_positions_at_once(model, batch, 0.7)):
+        model.zero_grad()
+        logprobs, entropy = score()
+        ((logprobs * weights + entropy * weights.flip(1)) * mask).sum().backward()
+        scored.append((logprobs.detach() * mask, entropy.detach() * mask, [p.grad.clone() for p in model.parameters()]))
+    (chunked_logprobs, chunked_entropy, chunked_grads), (logprobs, entropy, grads) = scored
+    assert torch.allclose(chunked_logprobs, logprobs, atol=1e-5) and torch.allclose(chunked_entropy, entropy, atol=1e-5)
+    for (name, _), chunked, whole in zip(model.named_parameters(), chunked_grads, grads):
+        assert (chunked - whole).abs().max() < 1e-5 * whole.abs().max(), name  # fp32 sums in another order
+
+
+def test_the_forward_pass_keeps_no_logits_for_the_backward_pass(tiny_model_dir):
+    """Each chunk's logits are recomputed in the backward pass: the forward pass saves no tensor as
+    wide as the vocabulary (all positions at once would save the log-softmax and its exp)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    batch = _rows_with_actions_at_different_places()
+    saved = []
+
+    def keep_shape(tensor):
+        saved.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep_shape, lambda tensor: tensor):
+        logprobs, _ = train_ppo.token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                                               batch["action_mask"], 1.0, with_entropy=True)
+    assert logprobs.requires_grad and saved  # the body's tensors, saved as usual
+    assert [shape for shape in saved if shape[-1] == model.config.vocab_size] == []
+
+
+@pytest.mark.parametrize("order, micro_batch_size", [([2, 0, 1], 3), ([1, 2, 0], 1), ([2, 0, 1], 2)])
+def test_old_log_probs_and_values_are_those_of_plain_no_grad_passes(tiny_model_dir, order, micro_batch_size):
+    """The first micro-batch's training pass doubles as its old pass; every row must still get exactly
+    what a separate pass before the update gives, and the reused pass must be that micro-batch's."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     torch.manual_seed(1)
@@ -224,7 +281,7 @@ def test_old_log_probs_and_values_are_those_of_plain_no_grad_passes(tiny_model_d
     batch = _rows_with_actions_at_different_places()
     mask = batch["action_mask"]
     model = train_ppo.PolicyAndCritic(policy, critic)
-    old_logprobs, old_values, first = train_ppo.old_logprobs_and_values(model, batch, first_minibatch, 1.0)
+    old_logprobs, old_values, first = train_ppo.old_logprobs_and_values(model, batch, order, 1.0, micro_batch_size)
     with torch.no_grad():
         plain_logprobs, _ = train_ppo.token_logprobs(policy, batch["input_ids"], batch["attention_mask"], mask, 1.0)
         plain_values = train_ppo.state_values(critic, batch["input_ids"], batch["attention_mask"]) * mask
@@ -233,8 +290,9 @@ def test_old_log_probs_and_values_are_those_of_plain_no_grad_passes(tiny_model_d
     assert not old_logprobs.requires_grad and not old_values.requires_grad
     logprobs, _, values = first
     assert logprobs.requires_grad and values.requires_grad
-    rows_mask = mask[first_minibatch]
-    assert torch.allclose(logprobs.detach() * rows_mask, plain_logprobs[first_minibatch] * rows_mask, atol=1e-5)
+    first_micro_batch = order[:micro_batch_size]
+    rows_mask = mask[first_micro_batch]
+    assert torch.allclose(logprobs.detach() * rows_mask, plain_logprobs[first_micro_batch] * rows_mask, atol=1e-5)
 
 
 def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes(tiny_model_dir, tmp_path):
@@ -299,8 +357,15 @@ def test_a_wrong_simulator_endpoint_fails_in_seconds_before_any_model_loads(tiny
     (["--max_failed_share", "-0.1"], "--max_failed_share -0.1: must be within 0-1"),
     (["--simulator_timeout", "0"], "--simulator_timeout 0.0: must be above 0"),
     (["--learning_rate", "0", "--minibatch_size", "0"], "--learning_rate 0.0: must be above 0; --minibatch_size 0"),
+    (["--minibatch_size", "4", "--micro_batch_size", "3"],
+     "--micro_batch_size 3: must be at least 1 and divide --minibatch_size 4"),
 ])
 def test_impossible_option_values_are_refused_at_parsing_with_the_option_named(argv, message, capsys):
     with pytest.raises(SystemExit) as stopped:
         train_ppo.parse_arguments(argv)
     assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_micro_batches_are_whole_minibatches_unless_asked():
+    assert train_ppo.parse_arguments(["--minibatch_size", "4"])[0].micro_batch_size == 4
+    assert train_ppo.parse_arguments(["--minibatch_size", "4", "--micro_batch_size", "2"])[0].micro_batch_size == 2
