@@ -80,7 +80,7 @@ def test_grpo_in_server_mode_trains_on_two_ranks_whose_dialogues_end_at_differen
     log = tmp_path / "client.log"
     # Random replies of up to 24 tokens against a 400-token dialogue budget and the rule user: dialogues end
     # at different turns on each rank, and all of them before the 6th turn.
-    finished = two_ranks(*grpo_command(tiny_model_dir, tmp_path / "run", "--max_steps", "3", "--max_turns", "6",
+    finished = two_ranks(*grpo_command(tiny_model_dir, tmp_path / "run", "--max_steps", "2", "--max_turns", "6",
                                        "--max_reply_tokens", "24", "--max_dialogue_tokens", "400", "--vllm_mode",
                                        "server", "--vllm_server_base_url", url),
                          env={"FAKE_VLLM_LOG": str(log)})
@@ -95,12 +95,12 @@ def test_grpo_in_server_mode_trains_on_two_ranks_whose_dialogues_end_at_differen
     assert any(pair["0"] != pair["1"] for pair in counts.values()), "no call had ranks with different counts"
     assert any(pair["0"] == pair["1"] == 0 for pair in counts.values()), "no call came after every dialogue ended"
     rows = [json.loads(line) for rank in (0, 1) for line in (tmp_path / "run" / f"transcripts.rank{rank}.jsonl").open()]
-    assert len(rows) == 3 * 2 * 4  # steps x ranks x dialogues
+    assert len(rows) == 2 * 2 * 4  # steps x ranks x dialogues
 
 
 def test_grpo_colocate_think_run_samples_each_dialogues_own_completions(tiny_model_dir, tmp_path):
     log = tmp_path / "client.log"
-    finished = two_ranks(*grpo_command(tiny_model_dir, tmp_path / "run", "--max_steps", "2", "--max_turns", "4",
+    finished = two_ranks(*grpo_command(tiny_model_dir, tmp_path / "run", "--max_steps", "1", "--max_turns", "4",
                                        "--think", "--max_think_tokens", "12", "--max_reply_tokens", "16",
                                        "--max_dialogue_tokens", "400", "--vllm_mode", "colocate"),
                          env={"FAKE_VLLM_LOG": str(log)})

@@ -1,6 +1,6 @@
 """train_ppo.py on the paths the CPU demo never takes, each rehearsed on CPU: pushing weights to a vLLM
-server (the fake of tests/fake_vllm), tensors on an accelerator, DeepSpeed ZeRO-2 (when deepspeed is
-installed), and what its outputs must hold for the evaluations."""
+server (the fake of tests/fake_vllm), tensors on an accelerator, real DeepSpeed ZeRO-2 on 2 CPU
+processes (deepspeed is in the shared pins), and what its outputs must hold for the evaluations."""
 import copy
 import json
 import os
@@ -256,7 +256,6 @@ def zero2_run(model_dir, folder: Path, output_dir: Path, *flags) -> subprocess.C
 @pytest.fixture(scope="module")
 def zero2_output(tiny_model_dir, tmp_path_factory):
     """Two steps under ZeRO-2, a checkpoint after each."""
-    pytest.importorskip("deepspeed")  # not in requirements.txt: requirements-gpu.txt installs it
     folder = tmp_path_factory.mktemp("ppo-zero2")
     zero2_run(tiny_model_dir, folder, folder / "run", "--max_steps", "2", "--save_steps", "1")
     return folder / "run"
@@ -334,7 +333,6 @@ def test_under_zero2_an_update_in_micro_batches_is_the_update_on_the_whole_minib
     """The engine accumulates the micro-batches and steps once per minibatch, and its own scaling of
     each loss by 1 / gradient_accumulation_steps is off: the gradient it clips and applies (its norm
     before clipping, over both ranks) is that of the whole minibatch, to bf16's precision."""
-    pytest.importorskip("deepspeed")
     (tmp_path / "update.py").write_text(ZERO2_UPDATE)
     updates = []
     for micro_batch_size in (2, 1):
