@@ -34,7 +34,7 @@ and a minimal turn ends with reason "token_budget".
 Generation backends: `TransformersGenerator` (model.generate, CPU or GPU); inside TRL training with
 `use_vllm`, `VLLMGenerator` over `trainer.vllm_generation`; elsewhere (train_ppo.py),
 `VLLMServerGenerator` over `trl vllm-serve`; for evaluation, `VLLMEngineGenerator` (an in-process
-engine). The vLLM ones are untested here (no vLLM on CPU).
+engine). The vLLM ones are rehearsed on CPU against a fake vLLM (tests/fake_vllm), not yet run on a GPU.
 """
 import asyncio
 import copy

@@ -57,11 +57,11 @@ section() { echo; echo "=== $*"; }
 H=$AUDIT_HOME
 
 section "1. rollout.VLLMGenerator -> real TRL VLLMGeneration (server mode) + VLLMClient, 2 ranks / 1 rank"
-run2 "$H/check_server_ranks.py" 2>&1 | grep -E "^case" | sort
-nice -n 10 timeout 100 "$PYTHON" "$H/check_server_ranks.py" 2>&1 | grep -E "^case"
+run2 "$H/check_ranks.py" 2>&1 | grep -E "^case" | sort
+nice -n 10 timeout 100 "$PYTHON" "$H/check_ranks.py" 2>&1 | grep -E "^case"
 
 section "2. same, colocate mode (fake vllm.LLM): tensor_parallel_size=1 (the recipes) and 2"
-for TP in 1 2; do echo "-- TP=$TP"; MODE=colocate TP=$TP run2 "$H/check_colocate_tp.py" 2>&1 | grep -E "^case [123]" | sort; done
+for TP in 1 2; do echo "-- TP=$TP"; MODE=colocate TP=$TP run2 "$H/check_ranks.py" 2>&1 | grep -E "^case [123]" | sort; done
 
 section "3. train_grpo.py --use_vllm --vllm_mode server, 2 ranks, end to end (crashes when ranks disagree or all dialogues ended)"
 for S in 1 2; do rm -f client.log; rm -rf "$RUNS/grpo-server"
