@@ -140,10 +140,11 @@ def step_chart(views: list[dict], width: int = 520, height: int = 200) -> str:
     steps = sorted({v["step"] for v in views})
     series = {"mean final emotion": [], "success %": [], "failure %": []}
     for step in steps:
-        finals = [v["final"] for v in views if v["step"] == step and v["outcome"] != "simulator failed"] or [0]
-        series["mean final emotion"].append(sum(finals) / len(finals))
-        series["success %"].append(100 * sum(f >= simulator.FAREWELL_AT for f in finals) / len(finals))
-        series["failure %"].append(100 * sum(f < simulator.GIVE_UP_BELOW for f in finals) / len(finals))
+        finals = [v["final"] for v in views if v["step"] == step and v["outcome"] != "simulator failed"]
+        count = max(len(finals), 1)  # a step whose every simulator failed: all three at 0
+        series["mean final emotion"].append(sum(finals) / count)
+        series["success %"].append(100 * sum(f >= simulator.FAREWELL_AT for f in finals) / count)
+        series["failure %"].append(100 * sum(f < simulator.GIVE_UP_BELOW for f in finals) / count)
     left, bottom, top = 30, height - 24, 10
     x = lambda i: left + (width - left - 10) * (i / max(1, len(steps) - 1))  # noqa: E731
     y = lambda v: bottom - (bottom - top) * v / 100  # noqa: E731
@@ -153,8 +154,8 @@ def step_chart(views: list[dict], width: int = 520, height: int = 200) -> str:
         points = " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(values))
         body.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="2" '
                     f'data-series="{html.escape(name)}" data-values="{",".join(f"{v:.2f}" for v in values)}"/>')
-    body.append(f'<text x="{left}" y="{height - 6}" class="tick">step {steps[0]}</text>'
-                f'<text x="{width - 60}" y="{height - 6}" class="tick">step {steps[-1]}</text>')
+    body.append(f'<text x="{left}" y="{height - 6}" class="tick">step {html.escape(str(steps[0]))}</text>'
+                f'<text x="{width - 60}" y="{height - 6}" class="tick">step {html.escape(str(steps[-1]))}</text>')
     legend = " ".join(f'<span style="color:{c}">&#9632; {n}</span>'
                       for n, c in zip(series, ("#2b6cb0", "#38a169", "#e53e3e")))
     return _svg(width, height, "".join(body), "per-step emotion") + f'<div class="legend">{legend}</div>'
@@ -165,8 +166,8 @@ def step_chart(views: list[dict], width: int = 520, height: int = 200) -> str:
 # --------------------------------------------------------------------------------------------
 
 def summary_figures(views: list[dict]) -> dict:
-    scored = [v for v in views if v["outcome"] != "simulator failed"] or [{"final": 0, "trajectory": []}]
-    count = len(scored)
+    scored = [v for v in views if v["outcome"] != "simulator failed"]
+    count = max(len(scored), 1)  # no scored dialogue: every figure 0, not a 100% failure rate
     return {"dialogues": len(views),
             "mean final emotion": sum(v["final"] for v in scored) / count,
             "success %": 100 * sum(v["final"] >= simulator.FAREWELL_AT for v in scored) / count,
@@ -212,7 +213,7 @@ def _filter_attributes(view: dict) -> str:
 
 
 def dialogue_block(view: dict, expanded: bool = False) -> str:
-    step = f"step {view['step']} &middot; " if view["step"] is not None else ""
+    step = f"step {html.escape(str(view['step']))} &middot; " if view["step"] is not None else ""
     start = view["trajectory"][0] if view["trajectory"] else "?"
     summary = (f"{step}{html.escape(view['id'])} &middot; {html.escape(view['intention'])} &middot; "
                f"{html.escape(view['personality'])} &middot; {start} &rarr; <b>{view['final']}</b> &middot; "
@@ -231,10 +232,10 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def pair_block(a: dict, b: dict, expanded: bool = False) -> str:
     turn = first_divergence(a["trajectory"], b["trajectory"])
     where = "same trajectory" if turn is None else f"diverge after turn {turn}"
-    step = f"step {a['step']} &middot; " if a["step"] is not None else ""
+    step = f"step {html.escape(str(a['step']))} &middot; " if a["step"] is not None else ""
     summary = (f"{step}{html.escape(a['id'])} &middot; {html.escape(a['intention'])} &middot; "
                f"{html.escape(a['personality'])} &middot; A <b>{a['final']}</b> / B <b>{b['final']}</b> "
-               f"({b['final'] - a['final']:+d}) &middot; {where}")
+               f"({b['final'] - a['final']:+g}) &middot; {where}")
     return (f'<details class="dialogue pair" {_filter_attributes(b)} data-divergence="{"" if turn is None else turn}"'
             f'{" open" if expanded else ""}>'
             f'<summary>{summary}</summary>{trajectory_chart([a["trajectory"], b["trajectory"]])}'

@@ -1,7 +1,9 @@
 """eval_general.py: graders on known right and wrong answers, the sandbox, data loading, resuming,
 think stripping, and the paired comparison. Fixtures are in each benchmark's real format, written here."""
 import base64
+import functools
 import json
+import os
 import pickle
 import socket
 import subprocess
@@ -136,6 +138,16 @@ def listening_server():
     server.close()
 
 
+@functools.cache
+def kernel_allows_network_namespaces() -> bool:
+    """Asked of the kernel here, not of eval_general.network_namespace: where namespaces work, a sandbox that
+    stopped using them must fail the tests below, not skip them."""
+    try:
+        return subprocess.run(["unshare", "-rn", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 @pytest.mark.parametrize("connect", [
     "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)",
     "import _socket\ns = _socket.socket()\ns.settimeout(2)\ns.connect(('127.0.0.1', {port}))",  # under the guard
@@ -144,7 +156,7 @@ def listening_server():
 @pytest.mark.parametrize("namespace", [True, False], ids=["namespace", "guard-only"])
 def test_a_solution_that_tries_the_network_fails_and_reaches_nothing(listening_server, connect, namespace,
                                                                      monkeypatch):
-    if namespace and not eval_general.network_namespace():
+    if namespace and not kernel_allows_network_namespaces():
         pytest.skip("unprivileged network namespaces are not available on this machine")
     if not namespace:
         if "_socket" in connect:
@@ -157,6 +169,51 @@ def test_a_solution_that_tries_the_network_fails_and_reaches_nothing(listening_s
     verdict = eval_general.grade_humaneval(item, response)
     time.sleep(0.5)
     assert not verdict["passed"] and not accepted
+
+
+def test_where_the_kernel_allows_it_the_program_runs_in_its_own_network_namespace_with_only_loopback():
+    if not kernel_allows_network_namespaces():
+        pytest.skip("unprivileged network namespaces are not available on this machine")
+    run = eval_general.run_sandboxed("import os, socket\nprint(os.readlink('/proc/self/ns/net'))\n"
+                                     "print(sorted(name for _, name in socket.if_nameindex()))")
+    namespace, interfaces = run.stdout.splitlines()
+    assert namespace != os.readlink("/proc/self/ns/net") and interfaces == "['lo']"
+
+
+@pytest.fixture
+def no_unshare_command(tmp_path, monkeypatch):
+    """A PATH without `unshare`, as on a machine without util-linux; the namespace decision is made afresh."""
+    with monkeypatch.context() as patch:
+        patch.setenv("PATH", str(tmp_path))
+        eval_general.network_namespace.cache_clear()
+        yield
+    eval_general.network_namespace.cache_clear()  # the next caller asks again, with the real PATH
+
+
+def test_without_unshare_programs_still_run_with_sockets_refused_in_the_process(no_unshare_command):
+    run = eval_general.run_sandboxed("import socket\nprint('running')\nsocket.socket()")
+    assert run.stdout == "running\n" and "network access is disabled in the sandbox" in run.stderr
+
+
+def test_the_program_runs_under_the_cpu_memory_and_file_size_limits_asked_for():
+    source = ("import resource\nfor name in ('CPU', 'AS', 'FSIZE'):\n"
+              "    print(*resource.getrlimit(getattr(resource, 'RLIMIT_' + name)))")
+    run = eval_general.run_sandboxed(source, timeout=2.5, memory_mb=700)
+    cpu, memory, file_size = (tuple(map(int, line.split())) for line in run.stdout.splitlines())
+    assert cpu == (3, 3)  # CPU seconds just past the wall-clock timeout, which stops a single-threaded program first
+    assert memory == (700 << 20,) * 2 and file_size == (64 << 20,) * 2
+
+
+def test_a_file_can_grow_to_64_mb_and_no_further():
+    source = ("import os\nfd = os.open('big', os.O_WRONLY | os.O_CREAT)\nos.pwrite(fd, b'x', (64 << 20) - 1)\n"
+              "print(os.fstat(fd).st_size)\nos.pwrite(fd, b'x', 64 << 20)")
+    run = eval_general.run_sandboxed(source)
+    assert run.stdout == f"{64 << 20}\n" and run.stderr.strip().endswith("OSError: [Errno 27] File too large")
+
+
+def test_output_comes_back_cut_at_1_mb():
+    run = eval_general.run_sandboxed("import sys\nsys.stdout.write('y' * (3 << 20))\nsys.stderr.write('z' * (3 << 20))")
+    assert run.returncode == 0 and run.stdout == "y" * (1 << 20) and run.stderr == "z" * (1 << 20)
 
 
 def test_a_memory_blow_up_fails_within_the_limit():

@@ -82,6 +82,19 @@ def test_change_outside_the_bound_is_clamped_and_reported(make_profile):
     assert [(t.raw_change, t.change, t.emotion, t.clamped) for t in turns] == [(40, 10, 40, True), (-25, -10, 30, True)]
 
 
+def test_a_configured_change_bound_clamps_to_itself(make_profile):
+    with FakeOpenAIServer(turn_script(+8, -7, +3)) as server:
+        _, turns = run(dialogue(server, make_profile(first_talk="Hi."), ["a", "b", "c"], change_bound=5))
+    assert [(t.raw_change, t.change, t.emotion) for t in turns] == [(8, 5, 35), (-7, -5, 30), (3, 3, 33)]
+
+
+def test_the_analysis_prompt_asks_for_a_change_within_the_configured_bound(make_profile):
+    with FakeOpenAIServer(turn_script(+3)) as server:
+        run(dialogue(server, make_profile(first_talk="Hi."), ["a"], change_bound=5))
+        analysis_prompt = server.requests[0]["messages"][-1]["content"]
+    assert "between -5 and +5" in analysis_prompt
+
+
 def test_emotion_is_floored_at_zero_and_capped_at_one_hundred(make_profile):
     with FakeOpenAIServer(turn_script(+10)) as server:
         _, turns = run(dialogue(server, make_profile(first_talk="Hi."), ["a"], start_emotion=95))

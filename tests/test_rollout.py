@@ -245,6 +245,43 @@ def test_reward_is_final_emotion_over_one_hundred_minus_the_format_penalty():
     assert rollout.reward(85, 0, format_penalty=0.1) == 0.85
 
 
+def metrics_of(final_emotion, emotions=None, turns=None, max_turns=2, **fields):
+    """dialogue_metrics for scored dialogues, the fields a test does not name left neutral."""
+    count = len(final_emotion)
+    values = {"turns": turns or [1] * count, "end_reason": ["turn_limit"] * count, "format_violations": [0] * count,
+              "think_tokens": [0] * count, "reply_tokens": [0] * count, "simulator_seconds": [0.0] * count,
+              "emotions": emotions or [[e] for e in final_emotion], "failed": [False] * count,
+              "simulator_calls": [{}] * count, **fields}
+    return rollout.dialogue_metrics(final_emotion, max_turns=max_turns, **values)
+
+
+def test_metrics_count_success_only_at_100_and_failure_only_below_10():
+    metrics = metrics_of([100, 99, 10, 9])
+    assert metrics["emotion/success_rate"] == 0.25
+    assert metrics["emotion/failure_rate"] == 0.25
+    assert metrics["emotion/final_mean"] == 54.5
+
+
+def test_metrics_after_turn_k_carry_an_ended_dialogues_final_emotion_forward():
+    metrics = metrics_of([60, 20], emotions=[[40, 50, 60], [20]], turns=[3, 1], max_turns=3)
+    assert metrics["emotion/after_turn_1"] == 30  # (40 + 20) / 2
+    assert metrics["emotion/after_turn_2"] == 35  # (50 + 20) / 2: the second ended at 20
+    assert metrics["emotion/after_turn_3"] == 40  # (60 + 20) / 2
+
+
+def test_metrics_turns_mean_is_policy_turns_per_dialogue():
+    assert metrics_of([60, 20, 30], turns=[3, 1, 2], max_turns=3)["dialogue/turns_mean"] == 2
+
+
+def test_metrics_per_turn_are_over_all_policy_turns_not_per_dialogue():
+    metrics = metrics_of([50, 50], turns=[3, 1], format_violations=[1, 1], think_tokens=[30, 10],
+                         reply_tokens=[60, 20], simulator_seconds=[0.3, 0.1])
+    assert metrics["format/violation_rate"] == 0.5  # 2 violations in 4 turns
+    assert metrics["length/think_tokens_per_turn"] == 10
+    assert metrics["length/reply_tokens_per_turn"] == 20
+    assert metrics["simulator/seconds_per_turn"] == pytest.approx(0.1)
+
+
 def test_a_dialogue_whose_simulator_fails_ends_unscored_and_the_others_go_on(tiny):
     _, tokenizer = tiny
     chosen = profiles(2)

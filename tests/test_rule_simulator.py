@@ -52,6 +52,11 @@ def test_a_reply_that_takes_up_nothing_the_user_said_earns_nothing(make_profile)
     assert first_turn(make_profile("venting"), generic, variant="challenging").change == -5
 
 
+def test_a_configured_change_bound_caps_the_gain_of_a_warm_reply(make_profile):
+    turn = first_turn(make_profile("venting"), WARM, change_bound=5)
+    assert (turn.raw_change, turn.change, turn.emotion) == (10, 5, 35)
+
+
 def test_each_intention_rewards_its_own_kind_of_reply(make_profile):
     advice = ("One option: write Dana a short message this week about the Lisbon wedding. "
               "You could also ask your mother to give you time before the holidays.")

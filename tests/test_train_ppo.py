@@ -1,6 +1,7 @@
 """train_ppo.py: GAE over policy tokens, reward placement, masking, end-to-end runs, resume."""
 import collections
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,84 @@ def test_masked_tokens_contribute_nothing_to_either_loss():
     assert ppo_losses(*moved, batch, args)[0].item() != pytest.approx(before[0].item())
 
 
+def losses_of_one_action(advantage=0.0, ratio=1.0, old_value=0.0, new_value=0.0, return_=0.0):
+    """ppo_losses on a batch of a single action, sampled with probability 0.25 and now `ratio` times as likely."""
+    one = lambda value: torch.tensor([[float(value)]])  # noqa: E731
+    old_logprob = math.log(0.25)
+    batch = {"action_mask": one(1), "old_logprobs": one(old_logprob), "old_values": one(old_value),
+             "returns": one(return_), "advantages": one(advantage)}
+    args = train_ppo.PPOArguments(clip_range=0.2, value_clip_range=0.2, entropy_coef=0.0)
+    objective, value_loss, stats = ppo_losses(one(old_logprob + math.log(ratio)), one(0), one(new_value), batch, args)
+    return objective.item(), value_loss.item(), stats
+
+
+@pytest.mark.parametrize("advantage, ratio, expected", [
+    (+1.0, 1.5, -1.2),  # a good action made likelier: the gain stops at ratio 1 + clip
+    (-1.0, 0.5, 0.8),  # a bad action made rarer: the gain stops at ratio 1 - clip
+    (+1.0, 0.5, -0.5),  # a good action made rarer: the unclipped, larger loss counts in full
+    (-1.0, 1.5, 1.5),  # a bad action made likelier: the unclipped, larger loss counts in full
+])
+def test_policy_loss_is_the_larger_of_the_clipped_and_unclipped_losses(advantage, ratio, expected):
+    """loss = max(-A * r, -A * clip(r, 0.8, 1.2)): clipping removes the incentive to move the ratio
+    further, never the penalty for having moved it the wrong way."""
+    policy_loss, _, stats = losses_of_one_action(advantage, ratio)
+    assert policy_loss == pytest.approx(expected, abs=1e-6)
+    assert stats["ppo/policy_loss"] == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("old_value, new_value, return_, expected", [
+    (0.0, 1.0, 1.0, 0.32),  # moved onto the return, but the clipped value 0.2 is still 0.8 off: 0.5 * 0.8^2
+    (0.0, 1.0, 0.0, 0.5),  # moved away from the return: the unclipped error 1 counts, 0.5 * 1^2
+    (0.0, -1.0, -1.0, 0.32),  # clipped from below too: -0.2 is 0.8 off
+    (0.0, 0.1, 1.0, 0.405),  # within the clip range both agree: 0.5 * 0.9^2
+    (0.0, 2.0, 0.0, 2.0),  # far off the return: the unclipped error 2 counts, 0.5 * 2^2
+    (0.5, 0.6, 0.0, 0.18),  # the clip is around the old value 0.5: 0.6 is within it, 0.5 * 0.6^2
+])
+def test_value_loss_is_half_the_larger_of_the_clipped_and_unclipped_squared_errors(old_value, new_value, return_,
+                                                                                     expected):
+    _, value_loss, stats = losses_of_one_action(old_value=old_value, new_value=new_value, return_=return_)
+    assert value_loss == pytest.approx(expected, abs=1e-6)
+    assert stats["ppo/value_loss"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_entropy_bonus_is_subtracted_from_the_policy_loss():
+    """On-policy (ratio 1) with zero advantages the policy loss is 0, so the objective is the bonus
+    alone: -entropy_coef x the mean entropy over actions (the masked token's entropy is left out)."""
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    zeros = torch.zeros_like(mask)
+    batch = {"action_mask": mask, "old_logprobs": zeros, "old_values": zeros, "returns": zeros, "advantages": zeros}
+    args = train_ppo.PPOArguments(entropy_coef=0.01)
+    objective, _, stats = ppo_losses(zeros, torch.tensor([[1.0, 3.0, 100.0]]), zeros, batch, args)
+    assert stats["ppo/entropy"] == pytest.approx(2.0)
+    assert objective.item() == pytest.approx(-0.01 * 2.0)
+
+
+def test_clip_fraction_is_the_share_of_actions_whose_ratio_left_the_clip_range():
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    ratios = torch.tensor([[1.5, 1.1, 0.5, 0.9, 3.0]])  # 1.5 and 0.5 are clipped; 3.0 is no action
+    zeros = torch.zeros_like(mask)
+    batch = {"action_mask": mask, "old_logprobs": zeros, "old_values": zeros, "returns": zeros, "advantages": zeros}
+    _, _, stats = ppo_losses(ratios.log(), zeros, zeros, batch, train_ppo.PPOArguments(clip_range=0.2))
+    assert stats["ppo/clip_fraction"] == pytest.approx(0.5)
+
+
+def test_masked_mean_with_a_count_divides_the_sum_over_actions_by_that_count():
+    """A micro-batch's share of its minibatch's token-mean: its sum over actions over the minibatch's count."""
+    values, mask = torch.tensor([[2.0, 4.0, 100.0]]), torch.tensor([[1.0, 1.0, 0.0]])
+    assert train_ppo.masked_mean(values, mask).item() == pytest.approx(3.0)
+    assert train_ppo.masked_mean(values, mask, count=torch.tensor(4.0)).item() == pytest.approx(1.5)
+
+
+def test_kl_penalty_is_taken_off_every_action_and_only_actions():
+    logprobs = torch.tensor([[-7.0, -1.0, -2.0, -7.0, -7.0, -0.5, -1.5, -7.0],
+                             [-7.0, -1.0, -1.0, -7.0, -7.0, -7.0, -7.0, -7.0]])
+    ref_logprobs = torch.tensor([[-1.0, -1.5, -1.0, -1.0, -1.0, -0.5, -2.5, -1.0],  # logp - ref: .5, -1, 0, 1
+                                 [-1.0, -3.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0]])  # logp - ref: 2, 0
+    rewards = place_rewards(MASK, [1.0, 0.3], logprobs, ref_logprobs, kl_coef=0.1)
+    assert rewards[0].tolist() == pytest.approx([0, -0.05, 0.1, 0, 0, 0, 1.0 - 0.1, 0])
+    assert rewards[1].tolist() == pytest.approx([0, -0.2, 0.3, 0, 0, 0, 0, 0])
+
+
 def run_ppo(tiny_model_dir, output_dir, *flags, launcher=(sys.executable,)):
     command = list(launcher) + [str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
                                 "--output_dir", str(output_dir), "--max_turns", "2", "--max_think_tokens", "4",
@@ -97,6 +176,44 @@ def test_a_two_step_run_completes_and_writes_transcripts_and_metrics(tiny_model_
                  "ppo/entropy", "ppo/explained_variance", "dialogue/ended_turn_limit"):
         assert name in metrics[0]
     assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+
+
+@pytest.fixture(scope="module")
+def on_policy_step(tiny_model_dir, tmp_path_factory):
+    """(transcripts, metrics) of one PPO step of 4 dialogues (2 turns each) whose only update is on-policy:
+    one epoch, one minibatch of the whole batch in one micro-batch, so that its forward pass is the one
+    the old log-probs came from (ratio exactly 1); and the critic blank (zero-initialised head: V = 0)."""
+    transcripts, [metrics] = run_ppo(tiny_model_dir, tmp_path_factory.mktemp("ppo") / "run", "--max_steps", "1",
+                                     "--ppo_epochs", "1", "--minibatch_size", "4", "--micro_batch_size", "4")
+    return transcripts, metrics
+
+
+def test_an_on_policy_update_has_zero_policy_loss_as_advantages_are_whitened_over_the_actions(on_policy_step):
+    """At ratio 1 the policy loss is minus the mean over actions of the advantages: 0 when they were
+    whitened over those actions (a whitening over all tokens leaves the actions' mean off zero)."""
+    _, metrics = on_policy_step
+    assert metrics["ppo/policy_loss"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_an_on_policy_update_clips_no_ratio(on_policy_step):
+    _, metrics = on_policy_step
+    assert metrics["ppo/clip_fraction"] == 0.0
+
+
+def test_the_logged_reward_is_the_mean_final_emotion_over_one_hundred(on_policy_step):
+    transcripts, metrics = on_policy_step
+    final = [row["emo_point"] for row in transcripts]
+    after_first_turn = [[m for m in row["history"] if m["role"] == "user"][1]["emotion-point"] for row in transcripts]
+    assert sum(after_first_turn) != sum(final)  # so that reading the wrong turn would show
+    assert metrics["reward"] == pytest.approx(sum(final) / len(final) / 100)
+
+
+def test_a_blank_critic_explains_none_of_the_returns_variance(on_policy_step):
+    """V = 0 everywhere: the unexplained variance of returns - V is all of the returns' variance."""
+    transcripts, metrics = on_policy_step
+    assert len({row["emo_point"] for row in transcripts}) > 1  # the returns vary (else 0 / 0)
+    assert metrics["ppo/value_mean"] == 0.0
+    assert metrics["ppo/explained_variance"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_resume_continues_where_an_interrupted_run_stopped(tiny_model_dir, tmp_path):
@@ -295,6 +412,46 @@ def test_old_log_probs_and_values_are_those_of_plain_no_grad_passes(tiny_model_d
     assert torch.allclose(logprobs.detach() * rows_mask, plain_logprobs[first_micro_batch] * rows_mask, atol=1e-5)
 
 
+def critic_with_a_random_head(tiny_model_dir):
+    """The tiny body under a random value head: values that differ from position to position, so a
+    value read one position off shows."""
+    from transformers import AutoModel
+
+    torch.manual_seed(1)
+    body = AutoModel.from_pretrained(tiny_model_dir)
+    critic = train_ppo.Critic(body, body.config.hidden_size)
+    torch.nn.init.normal_(critic.value_head.weight)
+    torch.nn.init.normal_(critic.value_head.bias)
+    return critic
+
+
+def test_the_value_of_an_action_is_the_critics_output_at_the_position_before_it(tiny_model_dir):
+    critic = critic_with_a_random_head(tiny_model_dir)
+    batch = _rows_with_actions_at_different_places()
+    with torch.no_grad():
+        direct = critic(batch["input_ids"], batch["attention_mask"])
+        values = train_ppo.state_values(critic, batch["input_ids"], batch["attention_mask"])
+    assert not torch.allclose(direct[:, 1:], direct[:, :-1], atol=1e-3)  # neighbours differ: a shift would show
+    assert torch.equal(values[:, 0], torch.zeros(3))  # position 0 follows no state
+    assert torch.allclose(values[:, 1:], direct[:, :-1], atol=1e-6)
+
+
+def test_old_values_are_the_critics_outputs_one_position_before_each_action_and_zero_elsewhere(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    critic = critic_with_a_random_head(tiny_model_dir)
+    model = train_ppo.PolicyAndCritic(AutoModelForCausalLM.from_pretrained(tiny_model_dir), critic)
+    batch = _rows_with_actions_at_different_places()
+    mask = batch["action_mask"]
+    # micro-batches of one row: row 2 is scored by the reused training pass, rows 0 and 1 without graphs
+    _, old_values, _ = train_ppo.old_logprobs_and_values(model, batch, [2, 0, 1], 1.0, 1)
+    with torch.no_grad():
+        direct = critic(batch["input_ids"], batch["attention_mask"])
+    expected = torch.zeros_like(mask)
+    expected[:, 1:] = direct[:, :-1]
+    assert torch.allclose(old_values, expected * mask, atol=1e-5)
+
+
 def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes(tiny_model_dir, tmp_path):
     """Step 0 is answered; from then on the endpoint answers 500 (past the client's retries), so every
     dialogue of step 1 loses its simulator: the run saves, stops with a clear error and resumes later."""
@@ -369,3 +526,11 @@ def test_impossible_option_values_are_refused_at_parsing_with_the_option_named(a
 def test_micro_batches_are_whole_minibatches_unless_asked():
     assert train_ppo.parse_arguments(["--minibatch_size", "4"])[0].micro_batch_size == 4
     assert train_ppo.parse_arguments(["--minibatch_size", "4", "--micro_batch_size", "2"])[0].micro_batch_size == 2
+
+
+def test_whitening_is_over_the_actions_only_to_mean_zero_and_unit_spread():
+    """Advantages 1, 2, 3 on actions and 100 off them: mean 2, standard deviation sqrt(2/3) over the actions."""
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    whitened = train_ppo.whiten(torch.tensor([[1.0, 2.0, 100.0, 3.0]]), mask)
+    spread = math.sqrt(2 / 3)
+    assert whitened.tolist()[0] == pytest.approx([-1 / spread, 0.0, 0.0, 1 / spread], abs=1e-5)
