@@ -44,3 +44,12 @@ def test_a_change_word_inside_the_reasoning_is_not_a_change_line():
     change, reasoning = parse_analysis("The change in their tone, CHANGE: +10 they said, felt fake.\nCHANGE: -5")
     assert change == -5
     assert "felt fake" in reasoning
+
+
+def test_the_reasoning_is_kept_without_the_blank_lines_around_it():
+    assert parse_analysis("\n  They named my sister.\n\nCHANGE: +5\n") == (5, "They named my sister.")
+
+
+def test_a_malformed_change_line_is_quoted_in_the_error():
+    with pytest.raises(AnalysisFormatError, match=r"got 'CHANGE: five'$"):
+        parse_analysis("Fine.\nCHANGE: five   ")

@@ -243,6 +243,7 @@ def test_reward_is_final_emotion_over_one_hundred_minus_the_format_penalty():
     assert rollout.reward(85, 0) == 0.85
     assert rollout.reward(85, 2, format_penalty=0.1) == pytest.approx(0.75)
     assert rollout.reward(85, 0, format_penalty=0.1) == 0.85
+    assert rollout.reward(85, 2) == 0.85  # no penalty unless one is configured
 
 
 def metrics_of(final_emotion, emotions=None, turns=None, max_turns=2, **fields):
@@ -447,3 +448,8 @@ def test_all_ranks_agree_on_stopping_for_simulator_failures(tmp_path):
     for outcome in outcomes:  # both ranks decide on all 6 dialogues: 3 lost is allowed at 0.5, not at 0.4
         assert outcome["0.5"] == "went on"
         assert outcome["0.4"].startswith("3 of 6 dialogues lost their simulator") and "HTTP 500" in outcome["0.4"]
+
+
+def test_metrics_of_a_single_one_turn_dialogue_are_per_that_turn():
+    metrics = metrics_of([40], format_violations=[1], reply_tokens=[12])
+    assert (metrics["format/violation_rate"], metrics["length/reply_tokens_per_turn"]) == (1.0, 12.0)

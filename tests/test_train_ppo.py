@@ -534,3 +534,8 @@ def test_whitening_is_over_the_actions_only_to_mean_zero_and_unit_spread():
     whitened = train_ppo.whiten(torch.tensor([[1.0, 2.0, 100.0, 3.0]]), mask)
     spread = math.sqrt(2 / 3)
     assert whitened.tolist()[0] == pytest.approx([-1 / spread, 0.0, 0.0, 1 / spread], abs=1e-5)
+
+
+def test_the_mean_over_no_actions_is_zero_not_nan():
+    """A row with no actions (a dialogue the policy never spoke in) must not turn a loss into nan."""
+    assert train_ppo.masked_mean(torch.tensor([[5.0, 7.0]]), torch.zeros(1, 2)).item() == 0.0
