@@ -212,7 +212,7 @@ def _filter_attributes(view: dict) -> str:
     return " ".join(f'data-{name}="{html.escape(str(view[name]))}"' for name in ("intention", "personality", "outcome"))
 
 
-def dialogue_block(view: dict, expanded: bool = False) -> str:
+def dialogue_block(view: dict, expanded: bool) -> str:
     step = f"step {html.escape(str(view['step']))} &middot; " if view["step"] is not None else ""
     start = view["trajectory"][0] if view["trajectory"] else "?"
     summary = (f"{step}{html.escape(view['id'])} &middot; {html.escape(view['intention'])} &middot; "
@@ -229,7 +229,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def pair_block(a: dict, b: dict, expanded: bool = False) -> str:
+def pair_block(a: dict, b: dict, expanded: bool) -> str:
     turn = first_divergence(a["trajectory"], b["trajectory"])
     where = "same trajectory" if turn is None else f"diverge after turn {turn}"
     step = f"step {html.escape(str(a['step']))} &middot; " if a["step"] is not None else ""
