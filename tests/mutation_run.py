@@ -45,7 +45,7 @@ TARGETS = [
     ("rollout.py", "dialogue_metrics", [ROLLOUT, "tests/test_train_grpo.py", "-k", "metrics or reward_reads"]),
     ("rollout.py", "split_think", [ROLLOUT, "-k", "split_think"]),
     ("rollout.py", "Dialogue.append", [ROLLOUT, "-k", "env_mask or masked_in"]),
-    ("rollout.py", "DialogueRunner._sample", [ROLLOUT, "-k", "env_mask or thinking_past or token_budget or never_receives"]),
+    ("rollout.py", "DialogueRunner._sample", [ROLLOUT, "-k", "env_mask or thinking_ or token_budget or never_receives"]),
     ("rollout.py", "DialogueRunner._cut_thought", [ROLLOUT, "-k", "env_mask or thinking_past or never_receives"]),
     ("rollout.py", "DialogueRunner._answer", [ROLLOUT, "-k", "token_budget or fails_ends or ended_early or inserted"]),
     ("simulator.py", "Simulator.respond", [

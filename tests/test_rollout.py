@@ -172,6 +172,12 @@ def test_thinking_past_its_budget_is_closed_for_the_policy_and_counted(tiny):
     ("No thinking at all.", True, ("", "No thinking at all.", False)),
     ("<think>only thought</think>", True, ("only thought", "", False)),
     ("<think>x</think> y", False, ("", "<think>x</think> y", True)),
+    (" plain reply \n", False, ("", "plain reply", True)),
+    (" plain reply \n", True, ("", "plain reply", False)),
+    ("</think> reply", True, ("", "reply", False)),  # closed at position 0: a close, not a missing one
+    (" <think> musing \n", True, ("musing", "", False)),
+    ("<think>a <think> b", True, ("a <think> b", "", False)),
+    ("<think>a <think> b</think> c", True, ("a <think> b", "c", False)),
 ])
 def test_split_think_passes_on_only_the_text_after_the_last_close(text, think, expected):
     assert split_think(text, think) == expected
@@ -193,6 +199,20 @@ def test_a_dialogue_ended_early_leaves_the_others_matched(tiny):
         replies = [m["content"] for m in dialogue.simulator.history if m["role"] == "assistant"]
         assert replies == dialogue.reply_texts
     assert [len(d.reply_texts) for d in dialogues[1:]] == [4, 4]
+
+
+def test_thinking_near_the_dialogue_budget_leaves_room_for_the_close_and_a_minimal_reply(tiny):
+    model, tokenizer = tiny
+    starts, _ = starts_for(tokenizer, profiles(1))
+    segments = rollout.ChatSegments(tokenizer)
+    prompt = segments.prompt_ids(rollout.policy_system_prompt("en", True), starts[0][1])
+    budget = len(prompt) + len(segments.think_open) + 40  # 40 tokens left once <think> is inserted
+    recording = Recording(sampling_generator(model, tokenizer))
+    run(tokenizer, recording, starts, think=True, max_turns=1, max_think_tokens=1000, max_reply_tokens=1000,
+        max_dialogue_tokens=budget)
+    think_call, reply_call = recording.calls
+    assert think_call["budgets"] == [40 - len(segments.think_close) - rollout.MIN_REPLY_TOKENS]
+    assert (think_call["stop"], reply_call["stop"]) == ("</think>", None)
 
 
 def test_token_budget_is_never_exceeded(tiny):
