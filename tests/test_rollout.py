@@ -473,3 +473,29 @@ def test_all_ranks_agree_on_stopping_for_simulator_failures(tmp_path):
 def test_metrics_of_a_single_one_turn_dialogue_are_per_that_turn():
     metrics = metrics_of([40], format_violations=[1], reply_tokens=[12])
     assert (metrics["format/violation_rate"], metrics["length/reply_tokens_per_turn"]) == (1.0, 12.0)
+
+
+@pytest.mark.parametrize("sampled, kept, closed", [
+    ("weighing her words</think> more", "weighing her words</think>", True),  # cut right after the close
+    ("</think> more", "</think>", True),  # a close as the very first tokens
+    ("one two three four five six seven eight nine ten</think>", None, True),  # a close after a long thought
+    ("weighing<EOS></think>", "weighing", False),  # an end of turn before the close: dropped, not closed
+    ("<EOS>weighing", "", False),
+    ("weighing on and on", None, False),  # never closed: all of it kept
+])
+def test_thinking_is_cut_after_the_first_close_or_before_an_end_of_turn(tiny, sampled, kept, closed):
+    _, tokenizer = tiny
+    runner = DialogueRunner(tokenizer, RolloutConfig(think=True))
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    ids = [tokenizer.eos_token_id if part == "<EOS>" else token
+           for part in sampled.replace("<EOS>", "\0<EOS>\0").split("\0") if part
+           for token in ([part] if part == "<EOS>" else encode(part))]
+    runner.close()
+    assert runner._cut_thought(ids) == ((ids if kept is None else encode(kept)), closed)
+
+
+def test_simulator_time_is_the_seconds_its_turns_took(tiny):
+    model, tokenizer = tiny
+    starts, _ = starts_for(tokenizer, profiles(2))
+    dialogues = run(tokenizer, sampling_generator(model, tokenizer), starts, max_turns=2, max_reply_tokens=6)
+    assert all(0 < d.simulator_seconds < 5 for d in dialogues)  # the rule user answers in milliseconds
