@@ -48,7 +48,7 @@ TARGETS = [
     ("rollout.py", "DialogueRunner._sample", [ROLLOUT, "-k", "env_mask or thinking_ or token_budget or never_receives"]),
     ("rollout.py", "DialogueRunner._cut_thought", [ROLLOUT, "-k", "env_mask or thinking_ or never_receives"]),
     ("rollout.py", "DialogueRunner._answer", [ROLLOUT, "-k", "token_budget or fails_ends or ended_early or inserted "
-                                                             "or simulator_time"]),
+                                                             "or simulator_time or goes_on_exactly"]),
     ("simulator.py", "Simulator.respond", [
         "tests/test_llm_simulator.py", "tests/test_rule_simulator.py", "-k",
         "bound or clamp or floored or below_ten or one_hundred or turn_limit or goodbye or two_calls or ten_is "

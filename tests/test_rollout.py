@@ -499,3 +499,22 @@ def test_simulator_time_is_the_seconds_its_turns_took(tiny):
     starts, _ = starts_for(tokenizer, profiles(2))
     dialogues = run(tokenizer, sampling_generator(model, tokenizer), starts, max_turns=2, max_reply_tokens=6)
     assert all(0 < d.simulator_seconds < 5 for d in dialogues)  # the rule user answers in milliseconds
+
+
+def test_a_dialogue_goes_on_exactly_while_the_next_user_message_and_a_minimal_turn_fit(tiny):
+    _, tokenizer = tiny
+    chosen = profiles(1)
+    starts, openings = starts_for(tokenizer, chosen)
+
+    def play(budget):
+        script = Scripted(tokenizer, {chosen[0].id: ["I hear how much that hurt.", "Tell me more."]}, openings)
+        [dialogue] = run(tokenizer, script, starts, max_turns=2, max_reply_tokens=40, max_dialogue_tokens=budget)
+        return dialogue
+
+    roomy = play(4096)
+    second_turn = roomy.turn_starts[1]  # where the policy's second turn began: after the user's next message
+    runner = DialogueRunner(tokenizer, RolloutConfig())
+    needed = len(roomy.prompt_ids) + second_turn + runner.min_turn_tokens
+    runner.close()
+    assert len(play(needed).reply_texts) == 2
+    assert play(needed - 1).end_reason == "token_budget" and len(play(needed - 1).reply_texts) == 1
