@@ -52,4 +52,4 @@ def test_the_reasoning_is_kept_without_the_blank_lines_around_it():
 
 def test_a_malformed_change_line_is_quoted_in_the_error():
     with pytest.raises(AnalysisFormatError, match=r"got 'CHANGE: five'$"):
-        parse_analysis("Fine.\nCHANGE: five   ")
+        parse_analysis("Fine.\nReally.\n  CHANGE: five")
