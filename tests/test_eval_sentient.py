@@ -51,6 +51,7 @@ def test_success_and_failure_rates_are_per_cent_of_all_scenarios(tmp_path):
     rows = [official_row(name, [final]) for name, final in zip("abcde", [100, 100, 50, 9, 5])]
     summary = summarize(read_results(write_jsonl(tmp_path / "r.jsonl", rows)), bootstrap_samples=100)
     assert (summary["success_rate"], summary["failure_rate"], summary["score"]) == (40.0, 40.0, 52.8)
+    assert summary["mean_turns"] == 1.0  # one judged reply in each
     assert (summary["success_rate"], summary["failure_rate"]) == (25.0, 25.0)
     assert summary["mean_turns"] == pytest.approx((7 + 4 + 9 + 2) / 4)  # the unjudged 10th reply is not a turn
     assert summary["states"] == {"S": 1, "A": 0, "B": 2, "C": 0, "F": 1}
@@ -72,6 +73,7 @@ def test_success_and_failure_rates_are_per_cent_of_all_scenarios(tmp_path):
     rows = [official_row(name, [final]) for name, final in zip("abcde", [100, 100, 50, 9, 5])]
     summary = summarize(read_results(write_jsonl(tmp_path / "r.jsonl", rows)), bootstrap_samples=100)
     assert (summary["success_rate"], summary["failure_rate"], summary["score"]) == (40.0, 40.0, 52.8)
+    assert summary["mean_turns"] == 1.0  # one judged reply in each
 
 
 def test_the_bootstrap_interval_is_seeded_and_narrows_with_more_scenarios():
