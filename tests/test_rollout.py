@@ -478,6 +478,7 @@ def test_metrics_of_a_single_one_turn_dialogue_are_per_that_turn():
 @pytest.mark.parametrize("sampled, kept, closed", [
     ("weighing her words</think> more", "weighing her words</think>", True),  # cut right after the close
     ("</think> more", "</think>", True),  # a close as the very first tokens
+    ("</think> and the reply goes on for many more words", "</think>", True),  # ... of a long sample
     ("one two three four five six seven eight nine ten</think>", None, True),  # a close after a long thought
     ("weighing<EOS></think>", "weighing", False),  # an end of turn before the close: dropped, not closed
     ("<EOS>weighing", "", False),
