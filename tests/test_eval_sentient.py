@@ -45,14 +45,6 @@ def test_metrics_on_an_official_format_file(tmp_path):
     assert summary["score"] == pytest.approx((100 + 5 + 60 + 40) / 4)
     assert (summary["success"], summary["failure"]) == (1, 1)
     assert (summary["success_rate"], summary["failure_rate"]) == (25.0, 25.0)
-
-
-def test_success_and_failure_rates_are_per_cent_of_all_scenarios(tmp_path):
-    rows = [official_row(name, [final]) for name, final in zip("abcde", [100, 100, 50, 9, 5])]
-    summary = summarize(read_results(write_jsonl(tmp_path / "r.jsonl", rows)), bootstrap_samples=100)
-    assert (summary["success_rate"], summary["failure_rate"], summary["score"]) == (40.0, 40.0, 52.8)
-    assert summary["mean_turns"] == 1.0  # one judged reply in each
-    assert (summary["success_rate"], summary["failure_rate"]) == (25.0, 25.0)
     assert summary["mean_turns"] == pytest.approx((7 + 4 + 9 + 2) / 4)  # the unjudged 10th reply is not a turn
     assert summary["states"] == {"S": 1, "A": 0, "B": 2, "C": 0, "F": 1}
     assert summary["by_intention"]["others_motives"] == {"n": 3, "score": pytest.approx(55.0), "success": 1, "failure": 1}
