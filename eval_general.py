@@ -2,7 +2,7 @@
 
     python eval_general.py --tasks humaneval --limit 20                  # offline: packaged SmolLM2, HumanEval
     python eval_general.py --tasks math500,ifeval --limit 50 \\
-        --math500_path ../shared/data/math500/test.jsonl --ifeval_path ../shared/data/ifeval/input_data.jsonl
+        --math500_path path/to/math500/test.jsonl --ifeval_path path/to/ifeval/input_data.jsonl
     python eval_general.py --model Qwen/Qwen2.5-7B-Instruct --use_vllm   # GPU: all four tasks, hub data
     python eval_general.py --model runs/ppo-qwen-think --think --use_vllm
     python eval_general.py --compare runs/general/Qwen2.5-7B-Instruct runs/general/ppo-qwen-think

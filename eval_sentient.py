@@ -3,7 +3,7 @@
     python eval_sentient.py                                     # offline: packaged SmolLM2 vs the rule user
     python eval_sentient.py --model runs/grpo-demo --think      # a trained checkpoint (LoRA folder or full)
     python eval_sentient.py --model gpt-4.1 --model_base_url https://api.openai.com/v1 \\
-        --profiles ../shared/data/rlver/test_profile.jsonl --backend llm --base_url http://localhost:8001/v1 \\
+        --profiles path/to/rlver/test_profile.jsonl --backend llm --base_url http://localhost:8001/v1 \\
         --simulator_model deepseek-v3
     python eval_sentient.py --rescore results/*.jsonl           # leaderboard from result files, no model
 
@@ -57,7 +57,7 @@ class EvalArguments:
     use_vllm: bool = field(default=False, metadata={"help": "generate with an in-process vLLM engine (GPU)"})
     think: bool = field(default=False, metadata={"help": "think-then-say: <think>...</think>, hidden from the user"})
     profiles: str = field(default=str(simulator.DEFAULT_BENCHMARK_PROFILES), metadata={
-        "help": "benchmark scenarios with first_talk (the official 100: ../shared/data/rlver/test_profile.jsonl)"})
+        "help": "benchmark scenarios with first_talk (the official 100: RLVER's test_profile.jsonl)"})
     output: str | None = field(default=None, metadata={"help": "result rows (JSON Lines); default runs/sentient/<model>.jsonl"})
     limit: int | None = field(default=None, metadata={"help": "only the first N scenarios"})
     max_reply_tokens: int = field(default=64, metadata={"help": "reply tokens per turn (offline default; GPU: 1024)"})

@@ -139,7 +139,7 @@ PERSONALITY_BY_TEXT = {text: key for key, texts in PERSONALITIES.items() for tex
 
 
 class ProfileError(ValueError):
-    """A profile file or row that does not follow the format of DESIGN.md section 3."""
+    """A profile file or row that does not follow the official RLVER format (profiles/README.md)."""
 
 
 @dataclass(frozen=True)

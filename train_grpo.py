@@ -19,7 +19,7 @@ OpenAI-compatible endpoint on other GPUs; each recipe's header has its memory es
         --config recipes/grpo_qwen2.5-7b_think.yaml
 
 Every GRPOConfig and ModelConfig flag of TRL works too (`--report_to trackio`, `--push_to_hub`,
-`--use_vllm`, `--lora_r`, ...). Where the demo defaults differ from the paper (DESIGN.md section 5),
+`--use_vllm`, `--lora_r`, ...). Where the demo defaults differ from the paper's settings,
 `DEMO_DEFAULTS` says so; the recipes hold the paper's values. The demo defaults are the parser's
 defaults, also under `--config`: every recipe states every `DEMO_DEFAULTS` key (tests/test_recipes.py
 checks it), and a config file that leaves one out gets a warning naming the demo values it keeps.
@@ -64,12 +64,12 @@ import rollout
 import simulator
 
 
-# The offline demo. Paper values (DESIGN.md section 5) in the comments; recipes/ hold them, and state
+# The offline demo. The paper's values in the comments; recipes/ hold them, and state
 # every key of this dict (tests/test_recipes.py): these are the parser's defaults under --config too.
 DEMO_DEFAULTS = dict(
     model_name_or_path=simulator.PACKAGED_MODEL,  # paper: Qwen2.5-7B-Instruct
     output_dir="runs/grpo-demo",
-    use_peft=True, lora_r=16, lora_alpha=32,  # paper: full fine-tune; on CPU only LoRA learns visibly (DESIGN.md 8)
+    use_peft=True, lora_r=16, lora_alpha=32,  # paper: full fine-tune; on CPU only LoRA learns visibly
     learning_rate=1e-3,  # paper: 1e-6 (full fine-tune); LoRA on a 135M model in 30 steps needs far more
     lr_scheduler_type="constant",  # a 30-step run should not spend its last steps at a decayed rate
     num_generations=4,  # paper: 4 dialogues per profile

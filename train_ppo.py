@@ -92,7 +92,7 @@ import simulator
 
 @dataclass
 class PPOArguments:
-    """PPO settings. Defaults: the offline demo; paper values (DESIGN.md section 5) in the help."""
+    """PPO settings. Defaults: the offline demo; paper values (the RLVER paper's training settings) in the help."""
 
     config: str | None = field(default=None, metadata={"help": "YAML file of these options (CLI flags override it)"})
     output_dir: str = field(default="runs/ppo-demo", metadata={"help": "checkpoints, transcripts, metrics"})

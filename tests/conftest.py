@@ -1,4 +1,5 @@
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -10,7 +11,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import simulator  # noqa: E402
 
-OFFICIAL_DATA = REPO.parent / "shared" / "data" / "rlver"
+# The official RLVER files are third-party data, never committed: tests that need them read the folder
+# named by $RLVER_OFFICIAL_DATA and are skipped without it.
+OFFICIAL_DATA = Path(os.environ.get("RLVER_OFFICIAL_DATA", "/nonexistent"))
 
 OWN_WORDS = [
     "My sister Dana skipped my wedding in Lisbon and I still can't stop thinking about it.",
@@ -47,9 +50,9 @@ def make_profile():
 
 @pytest.fixture
 def official_profiles():
-    """The official RLVER files, read from ../shared (never committed here)."""
+    """The official RLVER files, from $RLVER_OFFICIAL_DATA (never committed here)."""
     if not (OFFICIAL_DATA / "train_profile.jsonl").is_file():
-        pytest.skip("official profiles not found in ../shared/data/rlver")
+        pytest.skip("official profiles not found: set RLVER_OFFICIAL_DATA to their folder")
     return OFFICIAL_DATA
 
 

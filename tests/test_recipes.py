@@ -19,7 +19,7 @@ import train_ppo
 REPO = Path(__file__).resolve().parent.parent
 GRPO_RECIPES = sorted((REPO / "recipes").glob("grpo_*.yaml"))
 PPO_RECIPES = sorted((REPO / "recipes").glob("ppo_*.yaml"))
-DIALOGUES_PER_STEP = 32  # the paper's batch (DESIGN.md section 5)
+DIALOGUES_PER_STEP = 32  # the paper's batch (the RLVER paper's training settings)
 
 
 def processes(accelerate_config: str) -> int:
