@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the fake vllm package beside this file
+from vllm import _fakegen  # noqa: E402
 from vllm._fakegen import sample  # noqa: E402
 
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
@@ -167,7 +168,11 @@ if __name__ == "__main__":
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--log", required=True)
+    ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    # A fixed stream: only rank 0 talks to the server, so a run's requests come in one order and the run is
+    # reproducible; a test that needs dialogues ending at different turns then passes or fails every time.
+    _fakegen._RNG.seed(a.seed)
     st = State(a.model, a.log)
     server = ThreadingHTTPServer(("127.0.0.1", a.port), make_handler(st))
     print("ready", flush=True)
