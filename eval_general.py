@@ -103,7 +103,7 @@ class GeneralEvalArguments:
     bootstrap_samples: int = field(default=10000, metadata={"help": "resamples for the paired bootstrap"})
 
 
-class DataError(ValueError):
+class DataError(simulator.InputError):
     """Benchmark data that cannot be loaded or does not have the expected fields."""
 
 
@@ -112,10 +112,8 @@ class DataError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 def read_local_rows(path, required: tuple[str, ...]) -> list[dict]:
-    if not Path(path).is_file():
-        raise DataError(f"{path}: file not found")
     rows = []
-    for _, where, row in simulator.json_lines(path, DataError):
+    for _, where, row in simulator.json_lines(path, "data file", DataError):
         missing = [name for name in required if not isinstance(row, dict) or name not in row]
         if missing:
             raise DataError(f"{where}: missing field {missing[0]!r}")
@@ -495,7 +493,7 @@ def default_output_dir(args: GeneralEvalArguments) -> Path:
 
 def read_result_rows(path) -> list[dict]:
     rows = []
-    for _, where, row in simulator.json_lines(path, DataError):
+    for _, where, row in simulator.json_lines(path, "result file", DataError):
         if not isinstance(row, dict) or "id" not in row or "verdict" not in row:
             raise DataError(f"{where}: a result row needs 'id' and 'verdict'")
         rows.append(row)

@@ -76,16 +76,14 @@ class EvalArguments:
 # Result files and metrics
 # --------------------------------------------------------------------------------------------
 
-class ResultFileError(ValueError):
+class ResultFileError(simulator.InputError):
     """A result row that does not follow SAGE's format."""
 
 
 def read_results(path) -> list[dict]:
     """Result rows, checked: each needs an `id`, an `emo_point` within 0-100 and a `history` list."""
-    if not Path(path).is_file():
-        raise ResultFileError(f"{path}: result file not found")
     rows, seen = [], set()
-    for _, where, row in simulator.json_lines(path, ResultFileError):
+    for _, where, row in simulator.json_lines(path, "result file", ResultFileError):
         if not isinstance(row, dict):
             raise ResultFileError(f"{where}: a result row must be a JSON object")
         point = row.get("emo_point")

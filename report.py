@@ -30,7 +30,7 @@ OUTCOMES = ("success", "failure", "other", "simulator failed")
 COLORS = ("#2b6cb0", "#dd6b20")  # run A, run B
 
 
-class ReportError(ValueError):
+class ReportError(simulator.InputError):
     """An input that is not a transcript or result file."""
 
 

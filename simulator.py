@@ -55,8 +55,10 @@ import asyncio
 import contextvars
 import importlib.util
 import json
+import math
 import os
 import re
+import socket
 import string
 import sys
 import threading
@@ -138,7 +140,164 @@ INTENTION_BY_TEXT = {text: key for key, texts in INTENTIONS.items() for text in 
 PERSONALITY_BY_TEXT = {text: key for key, texts in PERSONALITIES.items() for text in texts}
 
 
-class ProfileError(ValueError):
+# --------------------------------------------------------------------------------------------
+# Reading input and checking options: every script goes through these, so a bad file, line or
+# value gets one line naming it and what to do, before anything slow (model loading) starts.
+# --------------------------------------------------------------------------------------------
+
+class InputError(ValueError):
+    """Input that cannot work: a file, a line of one, an option or a combination of options. The
+    scripts print it as one line and exit non-zero."""
+
+
+class ArgumentError(InputError):
+    """An option value that cannot work, found while parsing: the scripts print usage and exit 2."""
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def check_file(path, what: str, error=InputError) -> Path:
+    """`path` as a Path, if it is an existing file; `what` names it in the error ("profile file")."""
+    path = Path(path)
+    if path.is_dir():
+        raise error(f"{path}: a folder; give the {what} itself")
+    if not path.is_file():
+        raise error(f"{path}: {what} not found")
+    return path
+
+
+def _not_utf8(where: str, byte: int, what: str) -> InputError:
+    return InputError(f"{where}: not UTF-8 text (byte 0x{byte:02x}); is it the {what}? Save it as UTF-8")
+
+
+def read_text(path, what: str) -> str:
+    """The text of a UTF-8 file; a missing file, a folder or another encoding is an InputError."""
+    path = check_file(path, what)
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise _not_utf8(f"{path}:{line}", raw[error.start], what) from None
+
+
+def json_lines(path, what: str, error=InputError, skip_cut_last_line: bool = False):
+    """(line number, "file:line", parsed value) for each non-blank line of a JSON Lines file. A line that
+    is not JSON (or not UTF-8) raises `error` naming the file and line; so does a last line cut short
+    (no newline: a writer killed mid-line), unless `skip_cut_last_line`, which leaves it out with a warning."""
+    path = check_file(path, what, error)
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            where = f"{path}:{number}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as decode_error:
+                raise error(str(_not_utf8(where, raw[decode_error.start], what))) from None
+            if not text.strip():
+                continue
+            try:
+                yield number, where, json.loads(text)
+            except json.JSONDecodeError as parse_error:
+                cut = not raw.endswith(b"\n")  # enumerate gives the last line last: this is it
+                if cut and skip_cut_last_line:
+                    warn(f"{where}: the last line is cut short (a run killed while writing it?); left out")
+                    return
+                cut_note = "; it is the last line, cut short (a run killed while writing it?)" if cut else ""
+                raise error(f"{where}: not valid JSON ({parse_error.msg} at column {parse_error.colno}){cut_note}") from None
+
+
+def repair_last_line(path) -> None:
+    """Before appending to a JSON Lines file: a last line without its newline (a writer killed mid-line)
+    gets its newline when it is a whole row, and is dropped, with a warning, when it was cut short. An
+    append onto it would glue two rows into one line that no reader can parse."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as file:
+        file.seek(-1, os.SEEK_END)
+        if file.read(1) == b"\n":
+            return
+        file.seek(0)
+        data = file.read()
+        start = data.rfind(b"\n") + 1
+        line = data.count(b"\n", 0, start) + 1
+        where = f"{path}:{line}"
+        try:
+            json.loads(data[start:])
+        except ValueError:  # not JSON, or not UTF-8
+            file.truncate(start)
+            warn(f"{where}: the last line was cut short (a run killed while writing it?); dropped "
+                 f"({len(data) - start} bytes), its row will be written again")
+            return
+        file.write(b"\n")
+
+
+def append_json_lines(path, rows) -> None:
+    """Append rows to a JSON Lines file, one JSON object a line, after repair_last_line."""
+    repair_last_line(path)
+    with Path(path).open("a", encoding="utf-8") as out:
+        for row in rows:
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def check_options(options, **rules) -> None:
+    """Raise ArgumentError naming every option whose value breaks its rule; a rule maps an option name to
+    (test of the value, what the value must be). Every float field of `options` must also be finite:
+    inf or nan passes a "> 0" rule and fails only steps later (an inf learning rate, at step 1)."""
+    infinite = [f"--{item.name} {getattr(options, item.name)!r}: must be a finite number" for item in fields(options)
+                if isinstance(getattr(options, item.name), float) and not math.isfinite(getattr(options, item.name))]
+    problems = infinite + [f"--{name} {getattr(options, name)!r}: must be {what}" for name, (test, what) in rules.items()
+                           if getattr(options, name) is not None and not test(getattr(options, name))]
+    if problems:
+        raise ArgumentError("; ".join(problems))
+
+
+POSITIVE = (lambda value: value > 0, "above 0")
+AT_LEAST_ONE = (lambda value: value >= 1, "at least 1")
+NOT_NEGATIVE = (lambda value: value >= 0, "0 or more")
+FRACTION = (lambda value: 0 <= value <= 1, "within 0-1")
+
+
+def read_config(path, parser) -> dict:
+    """A --config YAML file as a dict of options, every key one the parser knows."""
+    import difflib
+
+    import yaml
+
+    text = read_text(path, "YAML config")
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise InputError(f"{path}{line}: not valid YAML ({getattr(error, 'problem', None) or error})") from None
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: a config is a mapping of option: value, got {type(config).__name__}")
+    known = {action.dest for action in parser._actions} - {"help", "config"}
+    unknown = [str(key) for key in config if key not in known]
+    if unknown:
+        hints = [f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, known, 1)) else key
+                 for key in unknown]
+        raise InputError(f"{path}: unknown option(s): {', '.join(hints)}")
+    return config
+
+
+def check_output_folder(path, option: str) -> None:
+    """Refuse an output folder that cannot be created or written, without creating it (a run that fails
+    later would leave it behind empty)."""
+    path = Path(path)
+    existing = next(folder for folder in [path, *path.parents] if folder.exists())
+    if not existing.is_dir():
+        raise InputError(f"--{option} {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"--{option} {path}: {existing} is not writable")
+
+
+class ProfileError(InputError):
     """A profile file or row that does not follow the official RLVER format (profiles/README.md)."""
 
 
@@ -201,27 +360,10 @@ def parse_profile(row, where="profile") -> Profile:
     )
 
 
-def json_lines(path, error=ValueError):
-    """(line number, "file:line", parsed value) for each non-blank line of a JSON Lines file; a line
-    that is not JSON raises `error` naming the file and line."""
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                yield number, where, json.loads(line)
-            except json.JSONDecodeError as parse_error:
-                raise error(f"{where}: not valid JSON ({parse_error.msg} at column {parse_error.colno})") from None
-
-
 def load_profiles(path, require_first_talk=False) -> list[Profile]:
     """Read a JSON Lines profile file; any bad row raises ProfileError naming file, line and field."""
-    path = Path(path)
-    if not path.is_file():
-        raise ProfileError(f"{path}: profile file not found")
     profiles, seen = [], {}
-    for number, where, row in json_lines(path, ProfileError):
+    for number, where, row in json_lines(path, "profile file", ProfileError):
         profile = parse_profile(row, where)
         if require_first_talk and profile.first_talk is None:
             raise ProfileError(f"{where}: field 'first_talk' is required here (benchmark profiles open with it)")
@@ -240,25 +382,6 @@ def load_profiles(path, require_first_talk=False) -> list[Profile]:
 
 class SimulatorError(RuntimeError):
     """The simulator cannot go on (bad endpoint, output that never followed the format, ...)."""
-
-
-class ArgumentError(ValueError):
-    """An option value that cannot work, found while parsing, before anything is loaded."""
-
-
-def check_options(options, **rules) -> None:
-    """Raise ArgumentError naming every option whose value breaks its rule; a rule maps an option
-    name to (test of the value, what the value must be)."""
-    problems = [f"--{name} {getattr(options, name)!r}: must be {what}"
-                for name, (test, what) in rules.items() if not test(getattr(options, name))]
-    if problems:
-        raise ArgumentError("; ".join(problems))
-
-
-POSITIVE = (lambda value: value > 0, "above 0")
-AT_LEAST_ONE = (lambda value: value >= 1, "at least 1")
-NOT_NEGATIVE = (lambda value: value >= 0, "0 or more")
-FRACTION = (lambda value: 0 <= value <= 1, "within 0-1")
 
 
 @dataclass
@@ -571,9 +694,45 @@ PACKAGED_MODEL = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, shipped as GG
 MODEL_CACHE = Path(os.environ.get("RLVER_CACHE", REPO_DIR / "cache"))
 
 
+def check_model_source(name_or_path: str) -> None:
+    """Refuse, in a second and before anything loads, a model that is neither a folder here nor a hub id
+    that can be had: in the hub cache, or the hub reachable. transformers would say "Repo id must be in
+    the form ..." for a mistyped path, and offline retry a hub id for most of a minute."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not any((path / name).is_file() for name in ("config.json", "adapter_config.json")):
+            raise InputError(f"{name_or_path}: a folder without a model (config.json) or an adapter "
+                             "(adapter_config.json)")
+        return
+    if path.exists():
+        raise InputError(f"{name_or_path}: a file; a model is a folder (config.json and weights) or a hub id")
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        raise InputError(f"{name_or_path}: no such folder (and not a hub id, which reads owner/name)") from None
+    if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+        return
+    missing = f"{name_or_path}: no such folder, and not in the hub cache ({constants.HF_HUB_CACHE})"
+    if constants.HF_HUB_OFFLINE:
+        raise InputError(f"{missing}; HF_HUB_OFFLINE is set, so the hub is not asked")
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=5).close()
+    except OSError as error:
+        raise InputError(f"{missing}, and the hub ({endpoint.hostname}) cannot be reached: {error}. Give a local "
+                         "folder, or download the model where the hub is reachable") from None
+
+
 def resolve_model(name_or_path: str) -> str:
-    """A path or hub id as given; the packaged offline model converted once to a safetensors folder."""
+    """A folder or hub id as given, once check_model_source passes; the packaged offline model converted
+    once to a safetensors folder."""
     if name_or_path != PACKAGED_MODEL:
+        check_model_source(name_or_path)
         return name_or_path
     target = MODEL_CACHE / PACKAGED_MODEL
     if (target / "config.json").is_file():
@@ -857,8 +1016,7 @@ class RuleSimulator(Simulator):
     def __init__(self, profile, **options):
         super().__init__(profile, **options)
         if self.language != "en":
-            raise SimulatorError(f"profile {profile.id} is Chinese: the rule backend has English cues only "
-                                 "and will not score Chinese text with them; use --backend llm or local")
+            raise SimulatorError(rule_backend_refusal(profile, options.get("language")))
         self.lines = _own_words(profile)
         self.next_line = 1  # own-words line 0 opens the dialogue
         self._reaction = "flat"
@@ -998,6 +1156,20 @@ class SimulatorArguments:
     def __post_init__(self):
         check_options(self, simulator_timeout=POSITIVE, simulator_max_retries=NOT_NEGATIVE,
                       change_bound=(lambda value: 1 <= value <= MAX_EMOTION, f"within 1-{MAX_EMOTION}"))
+
+
+def rule_backend_refusal(profile, language: str | None) -> str:
+    why = f"--language {language}" if language else f"profile {profile.id} is Chinese"
+    return (f"{why}: the rule backend has English cues only and will not score Chinese text with them; "
+            "use --backend llm or local")
+
+
+def check_backend(profiles, args: SimulatorArguments) -> None:
+    """Refuse, before any model loads, dialogues the chosen backend cannot play."""
+    if args.backend == "rule":
+        for profile in profiles:
+            if (args.language or profile.language) != "en":
+                raise SimulatorError(rule_backend_refusal(profile, args.language))
 
 
 def make_chat(args: SimulatorArguments):
