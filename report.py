@@ -13,12 +13,14 @@ personality type and outcome. `--compare` pairs the dialogues of two runs (by sc
 training runs by step, scenario and order within the step), overlays their trajectories and names
 the turn where they first diverge. `--screenshot PNG` renders the page with headless Chromium.
 
+A transcript whose last line was cut short (a run killed while writing it) is reported without that
+line, with a warning; any other line that is not a transcript row is an error naming file and line.
+
 Everything that comes from a model or a profile is HTML-escaped: a transcript holding `<script>`
 shows it as text. The only script on the page is the filter below.
 """
 import argparse
 import html
-import json
 import shutil
 import subprocess
 import sys
@@ -39,21 +41,17 @@ class ReportError(simulator.InputError):
 # --------------------------------------------------------------------------------------------
 
 def read_rows(path: Path) -> list[dict]:
-    """Rows of a result file, or of a training run folder's transcripts (one file per rank)."""
+    """Rows of a result file, or of a training run folder's transcripts (one file per rank). A last line
+    cut short (a run killed while writing it) is left out with a warning; any other bad line is an error."""
     files = sorted(path.glob("transcripts*.jsonl")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
+    if not files or not path.exists():
         raise ReportError(f"{path}: no such result file, and no transcripts*.jsonl in it")
     rows = []
     for file in files:
-        for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ReportError(f"{file}:{number}: not JSON ({error.msg})") from None
+        parsed_lines = simulator.json_lines(file, "transcript or result file", ReportError, skip_cut_last_line=True)
+        for _, where, row in parsed_lines:
             if not isinstance(row, dict) or not isinstance(row.get("history"), list) or "id" not in row:
-                raise ReportError(f"{file}:{number}: a row needs 'id' and a 'history' list")
+                raise ReportError(f"{where}: a row needs 'id' and a 'history' list")
             rows.append(row)
     if not rows:
         raise ReportError(f"{path}: no dialogues")
@@ -334,12 +332,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", nargs="?", type=Path, help="a training run folder or a benchmark result file")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="two runs on the same scenarios")
-    parser.add_argument("--out", type=Path, help="the HTML file (default: report.html beside the input)")
+    parser.add_argument("--out", type=Path,
+                        help="the HTML file (default: report.html beside the input); its folder is made if missing")
     parser.add_argument("--screenshot", type=Path, metavar="PNG", help="also render the page into this PNG")
     args = parser.parse_args(argv)
     if (args.run is None) == (args.compare is None):
         parser.error("give one run, or --compare A B")
     try:
+        if args.out is not None:  # checked before the runs are read; the folder is made when writing
+            simulator.check_output_file(args.out, "out")
         if args.compare:
             text = compare_report(*args.compare)
             first = args.compare[1]
@@ -348,12 +349,14 @@ def main(argv=None) -> None:
             text = run_report(args.run)
             default = args.run / "report.html" if args.run.is_dir() else args.run.with_suffix(".html")
         out = args.out or default
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text, encoding="utf-8")
         print(f"wrote {out} ({len(text) / 1e6:.1f} MB)")
         if args.screenshot:
+            args.screenshot.parent.mkdir(parents=True, exist_ok=True)
             screenshot(out, args.screenshot)
             print(f"wrote {args.screenshot}")
-    except ReportError as error:
+    except simulator.InputError as error:
         sys.exit(f"error: {error}")
 
 

@@ -308,7 +308,7 @@ def test_compare_reads_scores_that_are_not_whole_numbers(tmp_path):
 
 def test_a_malformed_line_is_named_by_file_and_line(tmp_path):
     path = write_jsonl(tmp_path / "r.jsonl", [transcript_row(0, 0, [30, 35]), "{not json"])
-    with pytest.raises(report.ReportError, match=r"r\.jsonl:2: not JSON"):
+    with pytest.raises(report.ReportError, match=r"r\.jsonl:2: not valid JSON"):
         report.read_rows(path)
     with pytest.raises(SystemExit, match="no such result file"):
         report.main([str(tmp_path / "missing.jsonl")])

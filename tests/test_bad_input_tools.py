@@ -1,0 +1,191 @@
+"""Bad input to the tools around training (report.py, plot_training.py, simulator.py's terminal dialogue):
+each gets one line saying what is wrong and where, a non-zero exit and no traceback; a transcript cut short by
+a killed run still gives what parses. Every script's --help works."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+from test_report import Page, transcript_row
+
+import plot_training
+import report
+import simulator
+
+SCRIPTS = ("train_grpo.py", "train_ppo.py", "eval_sentient.py", "eval_general.py", "report.py", "plot_training.py",
+           "simulator.py")
+LATIN1_ROW = b'{"id": "Jos\xe9", "history": []}\n'  # "José" saved as Latin-1: byte 0xe9 is not UTF-8
+
+
+def write_run(folder, rows, tail=""):
+    """A training run folder whose transcripts.jsonl holds `rows`, then `tail` (a line cut short, say)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "transcripts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + tail)
+    return folder
+
+
+def steps_run(folder, tail=""):
+    """Three steps of two dialogues each; final emotions 40, 45, 50 per step."""
+    rows = [transcript_row(step, index, [30, 40 + 5 * step]) for step in range(3) for index in range(2)]
+    return write_run(folder, rows, tail)
+
+
+def exit_message(main, argv) -> str:
+    """The message a script's main exits with; it must be one line starting `error:`, not an exception."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    message = exit_info.value.code
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def simulator_exit(argv) -> str:
+    return exit_message(simulator.main, ["--profile", "en-train-01", *argv])
+
+
+# --------------------------------------------------------------------------------------------
+# Files that are not UTF-8 text
+# --------------------------------------------------------------------------------------------
+
+def test_report_names_a_latin1_result_file_and_its_line(tmp_path):
+    path = tmp_path / "result.jsonl"
+    path.write_bytes(LATIN1_ROW)
+    assert exit_message(report.main, [str(path)]) == (
+        f"error: {path}:1: not UTF-8 text (byte 0xe9); is it the transcript or result file? Save it as UTF-8")
+
+
+def test_report_compare_names_the_run_whose_transcript_is_latin1(tmp_path):
+    good = steps_run(tmp_path / "good")
+    bad = steps_run(tmp_path / "bad")
+    with (bad / "transcripts.jsonl").open("ab") as file:
+        file.write(LATIN1_ROW)
+    message = exit_message(report.main, ["--compare", str(good), str(bad)])
+    assert f"{bad / 'transcripts.jsonl'}:7: not UTF-8 text" in message
+
+
+def test_plot_training_names_a_latin1_transcript_and_its_line(tmp_path):
+    run = write_run(tmp_path / "run", [])
+    (run / "transcripts.jsonl").write_bytes(LATIN1_ROW)
+    assert f"{run / 'transcripts.jsonl'}:1: not UTF-8 text (byte 0xe9)" in exit_message(plot_training.main, [str(run)])
+
+
+def test_a_replies_file_that_is_missing_or_not_utf8_is_named(tmp_path):
+    assert simulator_exit(["--replies", str(tmp_path / "nope.txt")]) == f"error: {tmp_path / 'nope.txt'}: replies file not found"
+    latin1 = tmp_path / "replies.txt"
+    latin1.write_bytes(b"I am sorry, Mara.\nThat sounds hard, Jos\xe9.\n")
+    assert simulator_exit(["--replies", str(latin1)]) == (
+        f"error: {latin1}:2: not UTF-8 text (byte 0xe9); is it the replies file? Save it as UTF-8")
+
+
+# --------------------------------------------------------------------------------------------
+# Paths: folders for files, folders that do not exist yet, where output goes
+# --------------------------------------------------------------------------------------------
+
+def test_plot_training_writes_beside_the_run_not_into_the_current_folder(tmp_path, monkeypatch, capsys):
+    run = steps_run(tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    plot_training.main([str(run)])
+    assert (run / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert list(elsewhere.iterdir()) == []
+    assert f"wrote {run / 'learning_curve.png'}" in capsys.readouterr().out
+
+
+def test_report_out_into_a_missing_folder_creates_it(tmp_path):
+    run = steps_run(tmp_path / "run")
+    out = tmp_path / "reports" / "new" / "run.html"
+    report.main([str(run), "--out", str(out)])
+    assert len(Page(out.read_text(encoding="utf-8")).dialogues) == 6
+
+
+def test_report_out_under_a_file_is_refused_and_nothing_is_written(tmp_path):
+    run = steps_run(tmp_path / "run")
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file, not a folder")
+    assert exit_message(report.main, [str(run), "--out", str(blocker / "run.html")]) == (
+        f"error: --out {blocker}: {blocker} is a file, not a folder")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt", "run"]
+
+
+def test_a_folder_given_as_the_profile_file_is_said_to_be_a_folder():
+    assert simulator_exit(["--profiles", str(REPO / "profiles")]) == (
+        f"error: {REPO / 'profiles'}: a folder; give the profile file itself")
+
+
+def test_the_rule_backend_refuses_chinese_first_naming_the_language_option(tmp_path, capsys):
+    """The refusal comes before anything else is read or asked (here a replies file that does not exist)."""
+    assert simulator_exit(["--language", "zh", "--replies", str(tmp_path / "nope.txt")]).startswith(
+        "error: --language zh: the rule backend has English cues only")
+    assert capsys.readouterr().out == ""  # not one turn played
+
+
+def test_a_replies_file_plays_one_turn_per_non_blank_line(tmp_path, capsys):
+    replies = tmp_path / "replies.txt"
+    replies.write_bytes(b"I am sorry she missed it.\r\n\r\nWhat happened that morning?\r\n")
+    simulator.main(["--profile", "en-train-01", "--replies", str(replies)])
+    out = capsys.readouterr().out
+    assert "[turn 2]" in out and "[turn 3]" not in out and "\r" not in out
+
+
+# --------------------------------------------------------------------------------------------
+# Transcripts cut short by a killed run, or empty
+# --------------------------------------------------------------------------------------------
+
+def test_report_leaves_out_a_cut_last_line_with_a_warning(tmp_path, capsys):
+    run = steps_run(tmp_path / "run", tail='{"id": "test-venting", "history": [{"role": "us')
+    report.main([str(run)])  # returns: exit status 0
+    assert len(Page((run / "report.html").read_text(encoding="utf-8")).dialogues) == 6
+    assert f"warning: {run / 'transcripts.jsonl'}:7: the last line is cut short" in capsys.readouterr().err
+
+
+def test_report_names_a_bad_line_in_the_middle_by_file_and_line(tmp_path):
+    run = steps_run(tmp_path / "run")
+    lines = (run / "transcripts.jsonl").read_text().splitlines(keepends=True)
+    (run / "transcripts.jsonl").write_text("".join(lines[:2] + ['{"id": \n'] + lines[2:]))
+    message = exit_message(report.main, [str(run)])
+    assert f"{run / 'transcripts.jsonl'}:3: not valid JSON" in message and "cut short" not in message
+
+
+def test_plot_training_plots_what_parses_of_a_cut_transcript(tmp_path, capsys):
+    run = steps_run(tmp_path / "run", tail='{"step": 3, "emo_po')
+    plot_training.main([str(run)])
+    captured = capsys.readouterr()
+    assert "| run | 3 | 42.5 +- 2.5 | 47.5 +- 2.5 | +5.0 +- 3.5 |" in captured.out  # steps 0-2 only
+    assert f"warning: {run / 'transcripts.jsonl'}:7: the last line is cut short" in captured.err
+    assert (run / "learning_curve.png").is_file()
+
+
+def test_plot_training_names_an_empty_transcript(tmp_path):
+    run = write_run(tmp_path / "run", [])
+    assert exit_message(plot_training.main, [str(run)]) == (
+        f"error: {run / 'transcripts.jsonl'}: no transcript rows (empty?); nothing to plot")
+
+
+def test_plot_training_names_a_row_without_step_or_final_emotion(tmp_path):
+    """A benchmark result row (no step) in a run folder: not silently averaged, not a KeyError."""
+    row = transcript_row(None, 0, [40, 50])
+    run = write_run(tmp_path / "run", [row])
+    assert f"{run / 'transcripts.jsonl'}:1: a transcript row needs numbers 'step' and 'emo_point'" in exit_message(
+        plot_training.main, [str(run)])
+    assert not (run / "learning_curve.png").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# --help
+# --------------------------------------------------------------------------------------------
+
+def test_every_script_prints_its_help_and_exits_0():
+    """All scripts at once, each in its own process (they import torch and transformers: seconds each)."""
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    processes = {script: subprocess.Popen([sys.executable, script, "--help"], cwd=REPO, env=environment,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for script in SCRIPTS}
+    failed = {}
+    for script, process in processes.items():
+        out, err = process.communicate(timeout=120)
+        if process.returncode != 0 or "Traceback" in err or "usage:" not in out:
+            failed[script] = f"exit {process.returncode}: {(err.strip().splitlines() or [out[:200]])[-1]}"
+    assert failed == {}
