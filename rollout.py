@@ -767,17 +767,35 @@ def check_failures(dialogues: list[Dialogue], max_failed_share: float, accelerat
             f"{max_failed_share} allows; check the simulator endpoint. Last error: {last_error}")
 
 
-def keep_rows_before(path, step: int) -> None:
-    """Drop JSON lines written for steps >= `step`: a resumed run plays them again."""
+def keep_rows_before(path, step: int, what: str = "transcripts file") -> int:
+    """Drop the rows written for steps >= `step` (a resumed run plays them again); returns how many. A last
+    line cut short (a run killed while writing it) is dropped with a warning; any other line that is not a
+    row with its step is an error naming file:line, and the file is left as it was."""
     path = Path(path)
-    if path.is_file():
-        rows = [line for line in path.read_text(encoding="utf-8").splitlines() if json.loads(line)["step"] < step]
-        path.write_text("".join(row + "\n" for row in rows), encoding="utf-8")
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    try:
+        rows = list(simulator.json_lines(path, what, skip_cut_last_line=True))
+    except simulator.InputError as error:
+        raise simulator.InputError(f"{error}; mend or delete that line, then resume again (nothing was changed)") from None
+    for _, where, row in rows:
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise simulator.InputError(f"{where}: a row without its step; is {path.name} a training run's {what}?")
+        if row["step"] < step:
+            kept.append(row)
+        else:
+            dropped += 1
+    # A kill while writing leaves the old file whole; the name is the process's own, as every GRPO rank
+    # trims every rank's file (with the same result).
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in kept), encoding="utf-8")
+    partial.replace(path)
+    return dropped
 
 
 def write_transcripts(path, dialogues: list[Dialogue], step: int | None = None) -> None:
+    """Append each dialogue's benchmark result row (plus step and thoughts) to a JSON Lines file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as out:
-        for dialogue in dialogues:
-            out.write(json.dumps(dialogue.transcript(step), ensure_ascii=False) + "\n")
+    simulator.append_json_lines(path, [dialogue.transcript(step) for dialogue in dialogues])

@@ -246,10 +246,11 @@ def check_options(options, **rules) -> None:
     """Raise ArgumentError naming every option whose value breaks its rule; a rule maps an option name to
     (test of the value, what the value must be). Every float field of `options` must also be finite:
     inf or nan passes a "> 0" rule and fails only steps later (an inf learning rate, at step 1)."""
-    infinite = [f"--{item.name} {getattr(options, item.name)!r}: must be a finite number" for item in fields(options)
+    infinite = [item.name for item in fields(options)
                 if isinstance(getattr(options, item.name), float) and not math.isfinite(getattr(options, item.name))]
-    problems = infinite + [f"--{name} {getattr(options, name)!r}: must be {what}" for name, (test, what) in rules.items()
-                           if getattr(options, name) is not None and not test(getattr(options, name))]
+    problems = [f"--{name} {getattr(options, name)!r}: must be a finite number" for name in infinite]
+    problems += [f"--{name} {getattr(options, name)!r}: must be {what}" for name, (test, what) in rules.items()
+                 if name not in infinite and getattr(options, name) is not None and not test(getattr(options, name))]
     if problems:
         raise ArgumentError("; ".join(problems))
 
@@ -260,8 +261,9 @@ NOT_NEGATIVE = (lambda value: value >= 0, "0 or more")
 FRACTION = (lambda value: 0 <= value <= 1, "within 0-1")
 
 
-def read_config(path, parser) -> dict:
-    """A --config YAML file as a dict of options, every key one the parser knows."""
+def read_config(path, parser, extra_keys: tuple[str, ...] = ()) -> dict:
+    """A --config YAML file as a dict of options, every key one the parser knows or one of `extra_keys`
+    (TrlParser's `env:`, environment variables it sets)."""
     import difflib
 
     import yaml
@@ -277,7 +279,7 @@ def read_config(path, parser) -> dict:
         return {}
     if not isinstance(config, dict):
         raise InputError(f"{path}: a config is a mapping of option: value, got {type(config).__name__}")
-    known = {action.dest for action in parser._actions} - {"help", "config"}
+    known = {action.dest for action in parser._actions} - {"help", "config"} | set(extra_keys)
     unknown = [str(key) for key in config if key not in known]
     if unknown:
         hints = [f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, known, 1)) else key
@@ -295,6 +297,14 @@ def check_output_folder(path, option: str) -> None:
         raise InputError(f"--{option} {path}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise InputError(f"--{option} {path}: {existing} is not writable")
+
+
+def check_output_file(path, option: str) -> None:
+    """Refuse an output file path that is a folder or cannot be created (its folder is made when writing)."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"--{option} {path}: a folder; give the path of the file to write")
+    check_output_folder(path.parent, option)
 
 
 class ProfileError(InputError):
@@ -656,7 +666,7 @@ class LocalChat:
     def __init__(self, model_name_or_path: str, temperature: float = 0.7, max_new_tokens: int = 256):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path = resolve_model(model_name_or_path)
+        path = resolve_model(model_name_or_path, "simulator_model")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if not self.tokenizer.chat_template:
             raise SimulatorError(f"{model_name_or_path} has no chat template; use an instruct/chat model")
@@ -694,30 +704,31 @@ PACKAGED_MODEL = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, shipped as GG
 MODEL_CACHE = Path(os.environ.get("RLVER_CACHE", REPO_DIR / "cache"))
 
 
-def check_model_source(name_or_path: str) -> None:
+def check_model_source(name_or_path: str, option: str | None = None) -> None:
     """Refuse, in a second and before anything loads, a model that is neither a folder here nor a hub id
     that can be had: in the hub cache, or the hub reachable. transformers would say "Repo id must be in
-    the form ..." for a mistyped path, and offline retry a hub id for most of a minute."""
+    the form ..." for a mistyped path, and offline retry a hub id for most of a minute. `option` names the
+    flag it came from in the error."""
     from urllib.parse import urlparse
 
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    given = f"--{option} {name_or_path}" if option else name_or_path
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not any((path / name).is_file() for name in ("config.json", "adapter_config.json")):
-            raise InputError(f"{name_or_path}: a folder without a model (config.json) or an adapter "
-                             "(adapter_config.json)")
+            raise InputError(f"{given}: a folder without a model (config.json) or an adapter (adapter_config.json)")
         return
     if path.exists():
-        raise InputError(f"{name_or_path}: a file; a model is a folder (config.json and weights) or a hub id")
+        raise InputError(f"{given}: a file; a model is a folder (config.json and weights) or a hub id")
     try:
         validate_repo_id(name_or_path)
     except HFValidationError:
-        raise InputError(f"{name_or_path}: no such folder (and not a hub id, which reads owner/name)") from None
+        raise InputError(f"{given}: no such folder (and not a hub id, which reads owner/name)") from None
     if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
         return
-    missing = f"{name_or_path}: no such folder, and not in the hub cache ({constants.HF_HUB_CACHE})"
+    missing = f"{given}: no such folder, and not in the hub cache ({constants.HF_HUB_CACHE})"
     if constants.HF_HUB_OFFLINE:
         raise InputError(f"{missing}; HF_HUB_OFFLINE is set, so the hub is not asked")
     endpoint = urlparse(constants.ENDPOINT)
@@ -728,11 +739,11 @@ def check_model_source(name_or_path: str) -> None:
                          "folder, or download the model where the hub is reachable") from None
 
 
-def resolve_model(name_or_path: str) -> str:
+def resolve_model(name_or_path: str, option: str | None = None) -> str:
     """A folder or hub id as given, once check_model_source passes; the packaged offline model converted
     once to a safetensors folder."""
     if name_or_path != PACKAGED_MODEL:
-        check_model_source(name_or_path)
+        check_model_source(name_or_path, option)
         return name_or_path
     target = MODEL_CACHE / PACKAGED_MODEL
     if (target / "config.json").is_file():
@@ -1202,8 +1213,9 @@ def find_profile(profiles, profile_id: str):
     raise SimulatorError(f"no profile with id {profile_id!r}; ids look like {', '.join(p.id for p in profiles[:3])}")
 
 
-async def play(simulator: Simulator, replies, out=sys.stdout) -> None:
-    """Run one dialogue, taking the policy's replies from an iterator of strings."""
+async def play(simulator: Simulator, replies, out=None) -> None:
+    """Run one dialogue, taking the policy's replies from an iterator of strings; print it to `out` (stdout)."""
+    out = out or sys.stdout  # looked up now, not at import: a redirected stdout is honoured
     print(f"[user, emotion {simulator.emotion}] {await simulator.open()}", file=out)
     for reply in replies:
         turn = await simulator.respond(reply)
@@ -1245,12 +1257,18 @@ def main(argv=None) -> None:
         parser.error(str(error))
     try:
         asyncio.run(_talk(play_args, simulator_args))
-    except (ProfileError, SimulatorError) as error:
+    except (InputError, SimulatorError) as error:
         sys.exit(f"error: {error}")
 
 
 async def _talk(play_args: PlayArguments, simulator_args: SimulatorArguments) -> None:
+    # Everything that can be checked offline is, before the endpoint is asked or a model loads.
     profile = find_profile(load_profiles(play_args.profiles), play_args.profile)
+    check_backend([profile], simulator_args)
+    if play_args.replies:
+        replies = [line for line in read_text(play_args.replies, "replies file").splitlines() if line.strip()]
+    else:
+        replies = _typed_replies()
     chat = make_chat(simulator_args)
     if chat is not None:
         await chat.check()
@@ -1259,10 +1277,6 @@ async def _talk(play_args: PlayArguments, simulator_args: SimulatorArguments) ->
         language=simulator_args.language,
         start_emotion=BENCHMARK_START_EMOTION if play_args.benchmark else TRAIN_START_EMOTION,
         max_turns=BENCHMARK_MAX_TURNS if play_args.benchmark else TRAIN_MAX_TURNS)
-    if play_args.replies:
-        replies = [line.rstrip("\n") for line in open(play_args.replies, encoding="utf-8") if line.strip()]
-    else:
-        replies = _typed_replies()
     await play(simulator, replies)
 
 

@@ -23,7 +23,8 @@ Every GRPOConfig and ModelConfig flag of TRL works too (`--report_to trackio`, `
 `DEMO_DEFAULTS` says so; the recipes hold the paper's values. The demo defaults are the parser's
 defaults, also under `--config`: every recipe states every `DEMO_DEFAULTS` key (tests/test_recipes.py
 checks it), and a config file that leaves one out gets a warning naming the demo values it keeps.
-A tracker in `report_to` whose package is missing is refused at start-up, before any model loads.
+A tracker in `report_to` whose package is missing is refused at start-up, before any model loads, as is
+every other input that can be checked without one (options, --config, output folder, model path, profiles).
 
 vLLM (`use_vllm`, generation only; the recipes colocate it with the trainer on every GPU):
 - Importance sampling. vLLM's token probabilities differ slightly from the trainer's, and TRL
@@ -54,7 +55,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import yaml
 from datasets import Dataset
 from transformers import AutoTokenizer
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
@@ -86,23 +86,51 @@ DEMO_DEFAULTS = dict(
 )
 
 
-def parse_arguments(argv: list[str] | None = None):
-    """(dialogue, simulator, training, model) arguments: DEMO_DEFAULTS, then the --config YAML, then flags."""
+def make_parser() -> TrlParser:
     parser = TrlParser((rollout.DialogueArguments, simulator.SimulatorArguments, GRPOConfig, ModelConfig))
     parser.set_defaults(**DEMO_DEFAULTS)
+    return parser
+
+
+def config_file(argv: list[str]) -> str | None:
+    """The YAML file after --config (TrlParser knows only this spelling, not --config=FILE)."""
+    if "--config" not in argv:
+        return None
+    index = argv.index("--config") + 1
+    if index == len(argv) or argv[index].startswith("--"):
+        raise simulator.ArgumentError("--config needs a YAML file")
+    return argv[index]
+
+
+def parse_arguments(argv: list[str] | None = None):
+    """(dialogue, simulator, training, model) arguments: DEMO_DEFAULTS, then the --config YAML, then flags."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = make_parser()
     try:
-        return parser.parse_args_and_config(argv)
+        path = config_file(argv)
+        if path is not None:  # its faults by file:line, before TrlParser reads it
+            simulator.read_config(path, parser, extra_keys=("env",))
+        dialogue_args, simulator_args, training_args, model_args = parser.parse_args_and_config(argv)
+        # TRL's dataclasses are not ours: check them here, or inf, nan or a negative temperature would
+        # fail only after the model loaded (or train on nonsense).
+        simulator.check_options(training_args, temperature=simulator.POSITIVE)
+        simulator.check_options(model_args)
     except simulator.ArgumentError as error:  # a value that cannot work: usage and what to fix, exit 2
         parser.error(str(error))
+    except simulator.InputError:  # a bad --config file: one line naming it, exit 1, no usage
+        raise
+    except ValueError as error:  # TRL's own checks (num_generations not dividing the batch) and unknown flags
+        parser.error(str(error))
+    return dialogue_args, simulator_args, training_args, model_args
 
 
 def demo_defaults_kept(argv: list[str]) -> dict:
     """The DEMO_DEFAULTS that a run with --config keeps because neither its YAML nor a flag sets them:
     a paper-scale config must not inherit the CPU demo's LoRA, learning rate or save_strategy unnoticed."""
-    if "--config" not in argv:
+    path = config_file(argv)
+    if path is None:
         return {}
-    with open(argv[argv.index("--config") + 1], encoding="utf-8") as handle:
-        config_keys = set(yaml.safe_load(handle))
+    config_keys = set(simulator.read_config(path, make_parser(), extra_keys=("env",)))
     flags = {arg[2:].split("=")[0] for arg in argv if arg.startswith("--")}
     return {key: value for key, value in DEMO_DEFAULTS.items() if key not in config_keys | flags}
 
@@ -123,10 +151,11 @@ def check_setup(argv: list[str], training_args: GRPOConfig) -> None:
         where = " (trackio is in requirements-gpu.txt)" if "trackio" in missing else ""
         raise SystemExit(f"--report_to {','.join(missing)}: {' and '.join(missing)} not installed. Install it with "
                          f"pip install {' '.join(missing)}{where}, or pass --report_to none")
+    simulator.check_output_folder(training_args.output_dir, "output_dir")  # not found at the first save
     kept = demo_defaults_kept(argv)
     if kept:
         values = ", ".join(f"{key}={value!r}" for key, value in kept.items())
-        warnings.warn(f"{argv[argv.index('--config') + 1]} leaves the offline demo's values in force: {values}; "
+        warnings.warn(f"{config_file(argv)} leaves the offline demo's values in force: {values}; "
                       "state these keys in the config")
     if training_args.use_vllm and training_args.vllm_enable_sleep_mode:
         warnings.warn("--vllm_enable_sleep_mode: TRL discards vLLM's weights and KV cache after every generate call "
@@ -134,6 +163,20 @@ def check_setup(argv: list[str], training_args: GRPOConfig) -> None:
                       "per turn (twice with --think), so each call pays a full weight sync and a prefill of the "
                       "whole dialogue. Leave it off unless memory forces it (lower vllm_gpu_memory_utilization or "
                       "max_dialogue_tokens first)")
+
+
+def check_profile_count(profile_count: int, path: str, training_args: GRPOConfig) -> None:
+    """TRL's sampler takes generation_batch_size / num_generations distinct prompts (profiles) per generation
+    batch, over all processes, and drops a remainder smaller than that: with fewer profiles it yields no
+    batch at all, and the run "finishes" at once with an untrained adapter."""
+    needed = training_args.generation_batch_size // training_args.num_generations
+    if profile_count < needed:
+        raise simulator.InputError(
+            f"{path}: {profile_count} profile(s), but a generation batch of {training_args.generation_batch_size} "
+            f"dialogues (--per_device_train_batch_size {training_args.per_device_train_batch_size} x "
+            f"{training_args.world_size} process(es) x {training_args.steps_per_generation} steps_per_generation), "
+            f"{training_args.num_generations} per profile, needs {needed} distinct profiles; add profiles, or lower "
+            "--per_device_train_batch_size")
 
 
 def make_emotion_reward(config: rollout.RolloutConfig):
@@ -193,10 +236,15 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     rollout.use_all_cpu_cores()
     dialogue_args, simulator_args, training_args, model_args = parse_arguments(argv)
-    check_setup(argv, training_args)  # before anything slow
-
     if dialogue_args.think and training_args.output_dir == DEMO_DEFAULTS["output_dir"]:
         training_args.output_dir += "-think"  # the two demo runs side by side
+    check_setup(argv, training_args)  # before anything slow
+    # Every input that can be checked without a model, before one loads (or the simulator's endpoint is asked).
+    model_path = simulator.resolve_model(model_args.model_name_or_path, "model_name_or_path")
+    profiles = {p.id: p for p in simulator.load_profiles(dialogue_args.profiles)}
+    simulator.check_backend(profiles.values(), simulator_args)
+    check_profile_count(len(profiles), dialogue_args.profiles, training_args)
+
     transcripts = Path(training_args.output_dir) / "transcripts.jsonl"
     if transcripts.exists() and not training_args.resume_from_checkpoint:
         raise SystemExit(f"{training_args.output_dir} already holds a run ({transcripts.name}); choose another "
@@ -209,8 +257,6 @@ def main(argv: list[str] | None = None) -> None:
         for path in [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]:
             rollout.keep_rows_before(path, json.loads(state.read_text())["global_step"])
     training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
-    profiles = {p.id: p for p in simulator.load_profiles(dialogue_args.profiles)}
-    model_path = simulator.resolve_model(model_args.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     chat = simulator.make_chat(simulator_args)
     config = rollout.rollout_config(dialogue_args, simulator_args)
@@ -258,5 +304,5 @@ if __name__ == "__main__":
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.16
     try:
         main()
-    except (simulator.SimulatorError, simulator.ProfileError) as error:  # bad endpoint or profiles: say what, no traceback
+    except (simulator.InputError, simulator.SimulatorError) as error:  # bad input or endpoint: say what, no traceback
         raise SystemExit(f"error: {error}") from None

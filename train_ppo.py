@@ -70,7 +70,6 @@ An "80 GB" GPU holds 85.5 GB (H100: 81559 MiB) to 85.9 GB (A100: 80 GiB): the 73
 row in a micro-batch adds its activations and output-layer chunk (~16 GB at 16384 tokens), so the
 recipe runs micro-batches of one dialogue; --kl_coef > 0 would add a frozen bf16 reference, 15.2 GB.
 """
-import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -135,7 +134,8 @@ class PPOArguments:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (paper: 1.0)"})
     seed: int = 42
     save_steps: int = field(default=10, metadata={"help": "checkpoint every N steps"})
-    resume: bool = field(default=False, metadata={"help": "continue from the newest checkpoint in output_dir"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue from the newest checkpoint in output_dir (none yet: from step 0, the rows written dropped)"})
     report_to: str = field(default="none", metadata={"help": "none, tensorboard, wandb or trackio (its package installed)"})
     use_vllm: bool = field(default=False, metadata={
         "help": "generate with `trl vllm-serve` on other GPUs, weights pushed every step (one process)"})
@@ -515,18 +515,15 @@ def newest_checkpoint(output_dir: Path) -> Path | None:
 # --------------------------------------------------------------------------------------------
 
 def parse_arguments(argv=None):
+    """(PPO, dialogue, simulator) arguments: the defaults, then the --config YAML, then flags."""
     parser = HfArgumentParser((PPOArguments, rollout.DialogueArguments, simulator.SimulatorArguments))
+    config = parser.parse_known_args(argv)[0].config  # before any dataclass checks values without the YAML's
+    if config:  # its faults by file:line (exit 1, no usage); the command line goes on top of it
+        parser.set_defaults(**simulator.read_config(config, parser))
     try:
-        args = parser.parse_args_into_dataclasses(argv)
-        if args[0].config:  # YAML first, then the command line on top of it
-            import yaml
-
-            with open(args[0].config, encoding="utf-8") as handle:
-                parser.set_defaults(**yaml.safe_load(handle))
-            args = parser.parse_args_into_dataclasses(argv)
-    except simulator.ArgumentError as error:  # a value that cannot work: usage and what to fix, exit 2
+        return parser.parse_args_into_dataclasses(argv)
+    except ValueError as error:  # a value that cannot work, or an unknown flag: usage and what to fix, exit 2
         parser.error(str(error))
-    return args
 
 
 def check_tracker(report_to: str) -> None:
@@ -538,24 +535,53 @@ def check_tracker(report_to: str) -> None:
                          "(or pass --report_to none)")
 
 
+def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_steps: int, accelerator):
+    """(newest checkpoint or None, the step to start at), after dropping the rows of the steps that will be
+    played again. Without a checkpoint a run resumes at step 0, as a run resumes at its last checkpoint:
+    the rows written since were of steps that are played again, so they go, with a note. (Refusing instead
+    would leave the user to delete the same rows by hand.) A finished run without checkpoints is refused:
+    starting it over would overwrite the policy it saved."""
+    checkpoint = newest_checkpoint(output_dir)
+    if checkpoint is None and transcripts.exists() and (output_dir / "critic.pt").is_file():
+        raise simulator.InputError(f"--resume: {output_dir} holds a finished run without checkpoints (none every "
+                                   f"--save_steps {save_steps}), so there is nothing to continue; choose another "
+                                   "--output_dir for a new run")
+    step = 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
+    dropped = rollout.keep_rows_before(transcripts, step), rollout.keep_rows_before(metrics_file, step, "metrics file")
+    if checkpoint is None and any(dropped):
+        accelerator.print(f"--resume: no checkpoint in {output_dir} yet (the run stopped before its first save, at "
+                          f"step {save_steps}): starting again at step 0; dropped the {dropped[0]} transcript rows "
+                          f"and {dropped[1]} metrics rows it wrote, as those steps are played again")
+    return checkpoint, step
+
+
 def main(argv=None) -> None:
     args, dialogue_args, simulator_args = parse_arguments(argv)
     if dialogue_args.think and args.output_dir == "runs/ppo-demo":
         args.output_dir += "-think"  # the two demo runs side by side
     output_dir = Path(args.output_dir)
     check_tracker(args.report_to)
+    simulator.check_output_folder(output_dir, "output_dir")  # else found at the first step's writes, the step lost
+    # Every input that can be checked without a model, before one loads (or the simulator's endpoint is asked).
+    policy_path = simulator.resolve_model(args.model_name_or_path, "model_name_or_path")
+    if args.critic_model_name_or_path:
+        simulator.check_model_source(args.critic_model_name_or_path, "critic_model_name_or_path")
+    profiles = simulator.load_profiles(dialogue_args.profiles)
+    simulator.check_backend(profiles, simulator_args)
     accelerator = Accelerator(log_with=None if args.report_to == "none" else args.report_to, project_dir=str(output_dir))
     suffix = "" if accelerator.num_processes == 1 else f".rank{accelerator.process_index}"  # one file per rank
     transcripts, metrics_file = output_dir / f"transcripts{suffix}.jsonl", output_dir / f"metrics{suffix}.jsonl"
     if transcripts.exists() and not args.resume:
         raise SystemExit(f"{output_dir} already holds a run; choose another --output_dir, delete it, or pass --resume")
+    checkpoint, start_step = None, 0
+    if args.resume:  # the files' faults (a line cut short by a kill, ...) show now, not after the models load
+        checkpoint, start_step = resume_point(output_dir, transcripts, metrics_file, args.save_steps, accelerator)
     rollout.use_all_cpu_cores()
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed + accelerator.process_index)
 
-    profiles = simulator.load_profiles(dialogue_args.profiles)
-    tokenizer = AutoTokenizer.from_pretrained(simulator.resolve_model(args.model_name_or_path))
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
     chat = simulator.make_chat(simulator_args)
     config = rollout.rollout_config(dialogue_args, simulator_args)
     runner = rollout.DialogueRunner(tokenizer, config, chat)
@@ -568,12 +594,8 @@ def main(argv=None) -> None:
                          "--config_file accelerate_configs/zero2.yaml (DeepSpeed), or pass --dtype float32")
     model, optimizer = prepare(accelerator, model, make_optimizer(model, args), args)
     networks = accelerator.unwrap_model(model)  # .policy and .critic, for generation and saving
-    start_step = 0
-    checkpoint = newest_checkpoint(output_dir) if args.resume else None
     if checkpoint is not None:
-        start_step = load_checkpoint(checkpoint, model, optimizer, accelerator)
-        for path in (transcripts, metrics_file):
-            rollout.keep_rows_before(path, start_step)
+        load_checkpoint(checkpoint, model, optimizer, accelerator)
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
     if reference is not None:
         reference.to(accelerator.device)
@@ -666,8 +688,7 @@ def main(argv=None) -> None:
             metrics.update({"reward": sum(rewards_by_dialogue) / len(rewards_by_dialogue), "step": step,
                             "step_time": time.perf_counter() - started, "rollout_time": rollout_time})
             rollout.write_transcripts(transcripts, dialogues, step=step)
-            with metrics_file.open("a", encoding="utf-8") as out:
-                out.write(json.dumps(metrics) + "\n")
+            simulator.append_json_lines(metrics_file, [metrics])
             if accelerator.is_main_process:
                 accelerator.print({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
                                    if not k.startswith("emotion/after")})
@@ -688,5 +709,5 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (simulator.SimulatorError, simulator.ProfileError) as error:  # bad endpoint or profiles: say what, no traceback
+    except (simulator.InputError, simulator.SimulatorError) as error:  # bad input or endpoint: say what, no traceback
         raise SystemExit(f"error: {error}") from None

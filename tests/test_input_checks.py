@@ -73,6 +73,12 @@ def test_every_float_option_must_be_finite_even_without_a_rule(value):
         simulator.check_options(Options(rate=value))
 
 
+def test_a_non_finite_value_is_named_once_not_also_by_its_rule():
+    with pytest.raises(simulator.ArgumentError) as error:
+        simulator.check_options(Options(rate=float("nan")), rate=simulator.POSITIVE)
+    assert str(error.value) == "--rate nan: must be a finite number"
+
+
 def test_rules_name_every_broken_option_and_leave_unset_ones_alone():
     simulator.check_options(Options(), limit=simulator.AT_LEAST_ONE)
     with pytest.raises(simulator.ArgumentError) as error:
@@ -99,6 +105,14 @@ def test_a_config_with_a_misspelt_key_names_it_and_the_likely_one(tmp_path, pars
     assert simulator.read_config(path, parser) == {"learning_rate": 1e-6, "max_steps": 10}
 
 
+def test_a_config_may_hold_the_extra_keys_its_parser_reads_itself(tmp_path, parser):
+    path = tmp_path / "run.yaml"
+    path.write_text("env:\n  WANDB_PROJECT: rlver\nmax_steps: 10\n")
+    with pytest.raises(simulator.InputError, match=r"unknown option\(s\): env"):
+        simulator.read_config(path, parser)
+    assert simulator.read_config(path, parser, extra_keys=("env",))["env"] == {"WANDB_PROJECT": "rlver"}
+
+
 def test_a_config_that_is_not_yaml_or_not_a_mapping_is_named_with_its_line(tmp_path, parser):
     path = tmp_path / "run.yaml"
     path.write_text("learning_rate: 1.0e-6\nmax_steps: [10\n")
@@ -123,8 +137,8 @@ def test_an_output_folder_under_a_file_is_refused_and_nothing_is_created(tmp_pat
 def test_a_model_that_is_no_folder_and_no_reachable_hub_id_fails_at_once(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    with pytest.raises(simulator.InputError, match=r"\./nope: no such folder \(and not a hub id"):
-        simulator.resolve_model("./nope")
+    with pytest.raises(simulator.InputError, match=r"^--model \./nope: no such folder \(and not a hub id"):
+        simulator.resolve_model("./nope", "model")
     with pytest.raises(simulator.InputError, match=r"runs/nope: no such folder, and not in the hub cache .*"
                                                    r"HF_HUB_OFFLINE is set"):
         simulator.resolve_model("runs/nope")

@@ -1,0 +1,227 @@
+"""Bad input to the trainers: each gets one line naming what is wrong, where and what to do, a non-zero exit
+and no traceback, before any model loads; files a killed run left behind are repaired, not lost."""
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import rollout
+import simulator
+import train_grpo
+import train_ppo
+from conftest import profile_row, write_jsonl
+
+REPO = Path(__file__).resolve().parent.parent
+TRAINERS = {"grpo": train_grpo, "ppo": train_ppo}
+
+
+@pytest.fixture
+def model_folder(tmp_path):
+    """A folder that passes the model check but holds no weights: a run that got as far as loading
+    anything from it fails with something other than the error a test expects."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def chinese_profiles(tmp_path):
+    return write_jsonl(tmp_path / "zh.jsonl", [profile_row(task=simulator.INTENTIONS["venting"][1])])
+
+
+def stopped_at_parsing(trainer: str, argv: list[str], capsys) -> str:
+    """parse_arguments must exit 2 with usage; returns the last line it printed."""
+    with pytest.raises(SystemExit) as stopped:
+        TRAINERS[trainer].parse_arguments(argv)
+    assert stopped.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+# --------------------------------------------------------------------------------------------
+# Unreadable files: --config YAML
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+@pytest.mark.parametrize("content, message", [
+    (None, r"run.yaml: YAML config not found"),
+    (b"\x00\x01\xff binary", r"run.yaml:1: not UTF-8 text \(byte 0xff\); is it the YAML config"),
+    (b"learning_rate: [1,\n  max_steps: 3\n", r"run.yaml:3: not valid YAML"),
+])
+def test_a_config_that_is_missing_binary_or_not_yaml_is_named_before_parsing(tmp_path, trainer, content, message):
+    config = tmp_path / "run.yaml"
+    if content is not None:
+        config.write_bytes(content)
+    with pytest.raises(simulator.InputError, match=message):
+        TRAINERS[trainer].parse_arguments(["--config", str(config)])
+
+
+@pytest.mark.parametrize("trainer, key, hint", [("grpo", "num_generation", "num_generations"),
+                                                ("ppo", "learning_rat", "learning_rate")])
+def test_a_misspelt_config_key_is_named_with_the_likely_one(tmp_path, trainer, key, hint):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"{key}: 4\n")
+    with pytest.raises(simulator.InputError, match=fr"run.yaml: unknown option\(s\): {key} \(did you mean {hint}\?\)"):
+        TRAINERS[trainer].parse_arguments(["--config", str(config)])
+
+
+def test_grpo_reads_the_config_for_its_demo_defaults_warning_through_the_same_reader(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_bytes(b"learning_rate: 1.0e-6\nnote: caf\xe9\n")
+    with pytest.raises(simulator.InputError, match=r"run.yaml:2: not UTF-8 text"):
+        train_grpo.demo_defaults_kept(["--config", str(config)])
+
+
+def test_ppo_checks_option_values_once_the_configs_are_in(tmp_path):
+    """The YAML's minibatch_size makes the flag's micro_batch_size valid: no value is judged without it."""
+    config = tmp_path / "run.yaml"
+    config.write_text("minibatch_size: 6\n")
+    args = train_ppo.parse_arguments(["--config", str(config), "--micro_batch_size", "3"])[0]
+    assert (args.minibatch_size, args.micro_batch_size) == (6, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# Numbers out of range, inf and nan
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("trainer, argv, message", [
+    ("ppo", ["--learning_rate", "inf"], "--learning_rate inf: must be a finite number"),
+    ("ppo", ["--simulator_timeout", "inf"], "--simulator_timeout inf: must be a finite number"),
+    ("grpo", ["--learning_rate", "inf"], "--learning_rate inf: must be a finite number"),
+    ("grpo", ["--max_grad_norm", "nan"], "--max_grad_norm nan: must be a finite number"),
+    ("grpo", ["--temperature", "inf"], "--temperature inf: must be a finite number"),
+    ("grpo", ["--lora_dropout", "nan"], "--lora_dropout nan: must be a finite number"),  # TRL's ModelConfig
+    ("grpo", ["--temperature", "-1"], "--temperature -1.0: must be above 0"),
+])
+def test_an_option_out_of_range_or_not_finite_is_refused_at_parsing(trainer, argv, message, capsys):
+    assert message in stopped_at_parsing(trainer, argv, capsys)
+
+
+# --------------------------------------------------------------------------------------------
+# Impossible combinations
+# --------------------------------------------------------------------------------------------
+
+def test_grpo_num_generations_not_dividing_the_batch_is_a_usage_error_not_a_traceback(capsys):
+    last = stopped_at_parsing("grpo", ["--num_generations", "3"], capsys)
+    assert last.endswith("error: generation_batch_size (8) must be divisible by num_generations (3).")
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_an_unknown_flag_is_a_usage_error_not_a_traceback(trainer, capsys):
+    assert "['--bogus', '1']" in stopped_at_parsing(trainer, ["--bogus", "1"], capsys)
+
+
+def test_grpo_refuses_fewer_profiles_than_a_generation_batch_needs(tmp_path, model_folder):
+    profiles = write_jsonl(tmp_path / "one.jsonl", [profile_row()])
+    with pytest.raises(simulator.InputError, match=r"one.jsonl: 1 profile\(s\), but a generation batch of 8 dialogues "
+                                                   r".*4 per profile, needs 2 distinct profiles; add profiles"):
+        train_grpo.main(["--model_name_or_path", str(model_folder), "--output_dir", str(tmp_path / "run"),
+                         "--profiles", str(profiles), "--per_device_train_batch_size", "8", "--num_generations", "4"])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_chinese_profiles_with_the_rule_backend_are_refused_before_any_model_loads(tmp_path, model_folder, trainer):
+    with pytest.raises(simulator.SimulatorError, match="profile test-venting is Chinese: the rule backend"):
+        TRAINERS[trainer].main(["--model_name_or_path", str(model_folder), "--output_dir", str(tmp_path / "run"),
+                                "--profiles", str(chinese_profiles(tmp_path))])
+
+
+# --------------------------------------------------------------------------------------------
+# Paths
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_an_output_dir_under_a_file_is_refused_at_start_and_nothing_is_created(tmp_path, model_folder, trainer):
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(simulator.InputError, match=r"--output_dir .*taken/run: .*taken is a file, not a folder"):
+        TRAINERS[trainer].main(["--model_name_or_path", str(model_folder), "--output_dir", str(tmp_path / "taken" / "run")])
+
+
+@pytest.mark.parametrize("trainer, option", [("grpo", "--model_name_or_path"), ("ppo", "--model_name_or_path"),
+                                             ("ppo", "--critic_model_name_or_path")])
+def test_a_model_that_does_not_exist_fails_before_the_tokenizer_or_the_endpoint(tmp_path, model_folder, trainer,
+                                                                                option):
+    """The endpoint is unreachable: had the run got as far as asking it, the error would be about it."""
+    argv = ["--model_name_or_path", str(model_folder), "--output_dir", str(tmp_path / "run"), option, "./nope",
+            "--backend", "llm", "--simulator_model", "m", "--base_url", "http://127.0.0.1:9/v1"]
+    with pytest.raises(simulator.InputError, match=r"\./nope: no such folder"):
+        TRAINERS[trainer].main(argv)
+
+
+@pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
+def test_the_scripts_print_an_input_error_as_one_line_without_a_traceback(tmp_path, script):
+    (tmp_path / "taken").write_text("a file")
+    finished = subprocess.run([sys.executable, str(REPO / script), "--output_dir", str(tmp_path / "taken" / "run")],
+                              capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 1 and "Traceback" not in finished.stderr
+    assert finished.stderr.strip().splitlines()[-1].startswith("error: --output_dir ")
+
+
+# --------------------------------------------------------------------------------------------
+# Resume states: what a killed run left behind
+# --------------------------------------------------------------------------------------------
+
+def test_resume_drops_a_last_line_cut_short_by_a_kill_and_the_steps_played_again(tmp_path, capsys):
+    transcripts = tmp_path / "transcripts.jsonl"
+    transcripts.write_text('{"step": 0, "id": "a"}\n{"step": 1, "id": "b"}\n{"step": 2, "id": "c"}\n{"step": 2, "i')
+    assert rollout.keep_rows_before(transcripts, 2) == 1
+    assert [json.loads(line) for line in transcripts.read_text().splitlines()] == [{"step": 0, "id": "a"},
+                                                                                   {"step": 1, "id": "b"}]
+    assert "transcripts.jsonl:4: the last line is cut short" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_bad_line_in_the_middle_naming_it_and_leaves_the_file_as_it_was(tmp_path):
+    transcripts = tmp_path / "transcripts.jsonl"
+    text = '{"step": 0}\n{"step": \n{"step": 1}\n'
+    transcripts.write_text(text)
+    with pytest.raises(simulator.InputError, match=r"transcripts.jsonl:2: not valid JSON .*; mend or delete that line"):
+        rollout.keep_rows_before(transcripts, 1)
+    assert transcripts.read_text() == text
+
+
+def test_ppo_resume_over_a_bad_transcript_line_fails_before_any_model_loads(tmp_path, model_folder):
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    (output_dir / "transcripts.jsonl").write_text('{"step": 0}\nnot json\n{"step": 0}\n')
+    with pytest.raises(simulator.InputError, match=r"transcripts.jsonl:2: not valid JSON"):
+        train_ppo.main(["--model_name_or_path", str(model_folder), "--output_dir", str(output_dir), "--resume"])
+
+
+def test_transcripts_are_appended_after_a_last_line_cut_short_is_dropped(tmp_path, capsys):
+    transcripts = tmp_path / "transcripts.jsonl"
+    transcripts.write_text('{"step": 0, "id": "a"}\n{"step": 1, "id')
+    dialogue = types.SimpleNamespace(transcript=lambda step: {"step": step, "id": "b"})
+    rollout.write_transcripts(transcripts, [dialogue], step=1)
+    assert [json.loads(line) for line in transcripts.read_text().splitlines()] == [{"step": 0, "id": "a"},
+                                                                                   {"step": 1, "id": "b"}]
+    assert "the last line was cut short" in capsys.readouterr().err
+
+
+def test_ppo_resume_of_a_finished_run_without_checkpoints_is_refused_keeping_its_policy(tmp_path, model_folder):
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    (output_dir / "transcripts.jsonl").write_text('{"step": 0}\n')
+    (output_dir / "critic.pt").write_bytes(b"weights")
+    with pytest.raises(simulator.InputError, match="holds a finished run without checkpoints"):
+        train_ppo.main(["--model_name_or_path", str(model_folder), "--output_dir", str(output_dir), "--resume"])
+    assert (output_dir / "transcripts.jsonl").read_text() == '{"step": 0}\n'
+
+
+def test_ppo_resume_before_the_first_checkpoint_starts_again_at_step_0_without_the_old_rows(tiny_model_dir, tmp_path,
+                                                                                           capsys):
+    """Killed before its first save: the steps it played are played again, so their rows go, with a note
+    (not appended to: steps 0, 1 then 0 again)."""
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    write_jsonl(output_dir / "transcripts.jsonl", [{"step": 0}, {"step": 0}, {"step": 1}, {"step": 1}])
+    write_jsonl(output_dir / "metrics.jsonl", [{"step": 0}, {"step": 1}])
+    train_ppo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(output_dir), "--resume",
+                    "--max_steps", "1", "--max_turns", "1", "--max_reply_tokens", "4", "--dialogues_per_profile", "2",
+                    "--minibatch_size", "2", "--save_steps", "5"])
+    assert [json.loads(line)["step"] for line in (output_dir / "transcripts.jsonl").read_text().splitlines()] == [0, 0]
+    assert [json.loads(line)["step"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()] == [0]
+    note = capsys.readouterr().out
+    assert "--resume: no checkpoint in" in note and "dropped the 4 transcript rows and 2 metrics rows" in note
