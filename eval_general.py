@@ -28,7 +28,8 @@ network namespace with no interfaces (`unshare -rn`, where the kernel allows it;
 creation is disabled inside the process), with limits on CPU time, memory (address space) and file
 size, killed with its process group at the wall-clock timeout. It keeps honest mistakes (loops,
 memory blow-ups, stray network calls) from hurting the run; it is not a security boundary against
-hostile code.
+hostile code. Before the model loads, a known-good program runs under the same limits: limits it
+cannot run under (a too small `--code_memory_mb`) are refused, not reported as a pass@1 of 0%.
 
 Models: as in eval_sentient.py, a local folder or hub id through transformers (batched; a LoRA
 folder from training is merged onto its base once, into a cache folder), `--use_vllm` (GPU; rehearsed
@@ -42,6 +43,7 @@ metric, both scores, the difference and its 95% interval from a paired bootstrap
 both runs answered; a difference whose whole interval lies below zero is flagged as a drop.
 """
 import asyncio
+import datetime
 import functools
 import json
 import os
@@ -69,6 +71,10 @@ HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the
                          "including its signature, in one ```python code block.")
 HUMANEVAL_TIMEOUT = 3.0  # seconds per problem, as in human-eval
 LIVECODEBENCH_TIMEOUT = 6  # seconds per test, as in LiveCodeBench
+# Below this no program runs: LiveCodeBench's runner imports numpy, which maps ~100 MB of address space
+# before the first test. The real floor, which depends on the machine, is found by check_sandbox.
+MIN_CODE_MEMORY_MB = 256
+CODE_TASKS = ("humaneval", "livecodebench")
 
 
 @dataclass
@@ -97,10 +103,41 @@ class GeneralEvalArguments:
         "help": "response budget for every task, thinking included (default: TASK_MAX_NEW_TOKENS per task)"})
     batch_size: int = field(default=16, metadata={"help": "prompts generated at once (endpoints: requests in flight)"})
     seed: int = field(default=0, metadata={"help": "sampling seed (temperature > 0)"})
-    code_memory_mb: int = field(default=4096, metadata={"help": "address-space limit of each sandboxed program"})
+    code_memory_mb: int = field(default=4096, metadata={"help": "address-space limit of each sandboxed program, in MB"})
     compare: list[str] = field(default_factory=list, metadata={
         "help": "BASE TRAINED: two output folders (or two result files of one task); no model is loaded"})
     bootstrap_samples: int = field(default=10000, metadata={"help": "resamples for the paired bootstrap"})
+
+    def __post_init__(self):
+        simulator.check_options(
+            self, tasks=(lambda value: task_list(value) and set(task_list(value)) <= set(TASKS),
+                         f"one or more of {', '.join(TASKS)}, comma-separated"),
+            limit=(lambda value: value >= 1, "at least 1 (leave it out for every item)"),
+            livecodebench_release=(lambda value: value in LIVECODEBENCH_FILES,
+                                   f"one of {', '.join(LIVECODEBENCH_FILES)}"),
+            livecodebench_start_date=(is_date, "a date, YYYY-MM-DD"),
+            livecodebench_end_date=(is_date, "a date, YYYY-MM-DD"),
+            temperature=simulator.NOT_NEGATIVE, top_p=(lambda value: 0 < value <= 1, "above 0 and at most 1"),
+            max_new_tokens=(lambda value: value >= 1, "at least 1 (leave it out for each task's own budget)"),
+            batch_size=simulator.AT_LEAST_ONE, seed=simulator.NOT_NEGATIVE,
+            code_memory_mb=(lambda value: value >= MIN_CODE_MEMORY_MB, f"at least {MIN_CODE_MEMORY_MB} (MB)"),
+            compare=(lambda value: len(value) in (0, 2), "two paths: BASE TRAINED"),
+            bootstrap_samples=simulator.AT_LEAST_ONE)
+        start, end = self.livecodebench_start_date, self.livecodebench_end_date
+        if start and end and start > end:
+            raise simulator.ArgumentError(f"--livecodebench_start_date {start} is after --livecodebench_end_date {end}")
+
+
+def task_list(tasks: str) -> list[str]:
+    """--tasks as a list of names."""
+    return [task.strip() for task in tasks.split(",") if task.strip()]
+
+
+def is_date(text: str) -> bool:
+    try:
+        return datetime.date.fromisoformat(text).isoformat() == text
+    except ValueError:
+        return False
 
 
 class DataError(simulator.InputError):
@@ -118,6 +155,8 @@ def read_local_rows(path, required: tuple[str, ...]) -> list[dict]:
         if missing:
             raise DataError(f"{where}: missing field {missing[0]!r}")
         rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: no items in file")
     return rows
 
 
@@ -219,6 +258,10 @@ def load_livecodebench(args) -> list[dict]:
                     {"role": "user", "content": livecodebench_prompt(problem.question_content, problem.starter_code)}]
         items.append({"id": problem.question_id, "messages": messages, "difficulty": problem.difficulty.value,
                       "contest_date": day, "sample": problem.get_evaluation_sample()})
+    if not items:
+        raise DataError(f"no {args.livecodebench_release} problem lies between --livecodebench_start_date "
+                        f"{args.livecodebench_start_date or '(none)'} and --livecodebench_end_date "
+                        f"{args.livecodebench_end_date or '(none)'}; widen the window")
     return items
 
 
@@ -443,10 +486,11 @@ class LocalBackend:
     """A local or hub model through transformers (batched), or an in-process vLLM engine."""
 
     def __init__(self, args: GeneralEvalArguments):
-        from eval_sentient import load_generator
+        from eval_sentient import load_generator, load_tokenizer
 
         rollout.use_all_cpu_cores()
-        self.generate, self.tokenizer = load_generator(args)
+        folder, self.tokenizer = load_tokenizer(args)
+        self.generate = load_generator(args, folder, self.tokenizer)
 
     def __call__(self, conversations: list[list[dict]], max_new_tokens: int, seed: int) -> list[str]:
         import torch
@@ -491,9 +535,11 @@ def default_output_dir(args: GeneralEvalArguments) -> Path:
     return Path("runs") / "general" / f"{name}{'-think' if args.think else ''}"
 
 
-def read_result_rows(path) -> list[dict]:
+def read_result_rows(path, skip_cut_last_line: bool = False) -> list[dict]:
+    """A task's result rows; our own, read to resume, may end in a line cut short by a killed run, which
+    `skip_cut_last_line` leaves out (with a warning): its item is generated again."""
     rows = []
-    for _, where, row in simulator.json_lines(path, "result file", DataError):
+    for _, where, row in simulator.json_lines(path, "result file", DataError, skip_cut_last_line):
         if not isinstance(row, dict) or "id" not in row or "verdict" not in row:
             raise DataError(f"{where}: a result row needs 'id' and 'verdict'")
         rows.append(row)
@@ -509,22 +555,27 @@ def with_think_prompt(messages: list[dict], think: bool) -> list[dict]:
     return [{"role": "system", "content": instruction}] + messages
 
 
-def run_task(task: str, items: list[dict], args: GeneralEvalArguments, backend, output_dir: Path,
-             progress) -> list[dict]:
-    """Generate and grade every item of `items[:args.limit]` not yet in `<output_dir>/<task>.jsonl`;
-    return their rows. Batches are cut from the item list and seeded by position, so a resumed run
-    samples what an uninterrupted one would have."""
-    path = output_dir / f"{task}.jsonl"
-    done = {row["id"] for row in read_result_rows(path)} if path.is_file() else set()
+def finished_items(path: Path, items: list[dict]) -> set:
+    """Ids of the items already in a task's result file (read before the model loads: a bad file fails now)."""
+    done = {row["id"] for row in read_result_rows(path, skip_cut_last_line=True)} if path.is_file() else set()
     unknown = done - {item["id"] for item in items}
     if unknown:
         raise DataError(f"{path} holds items this data does not have (e.g. {sorted(unknown)[0]}); "
                         "choose another --output_dir")
+    return done
+
+
+def run_task(task: str, items: list[dict], done: set, args: GeneralEvalArguments, backend, output_dir: Path,
+             progress) -> list[dict]:
+    """Generate and grade every item of `items[:args.limit]` not in `done` (finished_items); return their
+    rows. Batches are cut from the item list and seeded by position, so a resumed run samples what an
+    uninterrupted one would have."""
+    path = output_dir / f"{task}.jsonl"
     items = items[:args.limit]
     todo = [(index, item) for index, item in enumerate(items) if item["id"] not in done]
-    max_new_tokens = args.max_new_tokens or TASK_MAX_NEW_TOKENS[task]
+    max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else TASK_MAX_NEW_TOKENS[task]
     grade = GRADERS[task]
-    if task in ("humaneval", "livecodebench"):
+    if task in CODE_TASKS:
         grade = functools.partial(grade, memory_mb=args.code_memory_mb)
     bar = progress(total=len(items), initial=len(items) - len(todo), desc=task)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # programs run in their own processes
@@ -535,7 +586,7 @@ def run_task(task: str, items: list[dict], args: GeneralEvalArguments, backend, 
             raw = backend([with_think_prompt(item["messages"], args.think) for item in batch], max_new_tokens,
                           seed=args.seed + first)
             responses = [rollout.split_think(text, args.think)[1] for text in raw]
-            graders = pool.map(grade, batch, responses) if task in ("humaneval", "livecodebench") else map(
+            graders = pool.map(grade, batch, responses) if task in CODE_TASKS else map(
                 grade, batch, responses)  # math-verify and the IFEval checkers are pure Python: no gain from threads
             rows = []
             for item, text, response, verdict in zip(batch, raw, responses, graders):
@@ -544,30 +595,62 @@ def run_task(task: str, items: list[dict], args: GeneralEvalArguments, backend, 
                 if args.think:
                     row["graded_response"] = response
                 rows.append(row)
-            with path.open("a", encoding="utf-8") as out:
-                out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+            output_dir.mkdir(parents=True, exist_ok=True)  # with the first rows: a run failing earlier leaves none
+            simulator.append_json_lines(path, rows)  # a last line cut short by a killed run is dropped first
             bar.update(len(rows))
     bar.close()
     wanted = {item["id"] for item in items}
-    return [row for row in read_result_rows(path) if row["id"] in wanted]
+    return [row for row in read_result_rows(path, skip_cut_last_line=True) if row["id"] in wanted]
+
+
+def check_sandbox(data: dict, memory_mb: int) -> None:
+    """Refuse, before the model loads, sandbox limits under which a known-good program fails: every
+    generated one would fail too, and pass@1 read 0%. The programs: the first HumanEval problem's
+    reference solution, and a LiveCodeBench stdin program run by the official runner."""
+    for task in [task for task in CODE_TASKS if task in data]:
+        if task == "humaneval":
+            problem = data[task][0]["problem"]
+            verdict = grade_humaneval(data[task][0], problem["prompt"] + problem["canonical_solution"], memory_mb)
+        else:
+            item = {"sample": {"input_output": json.dumps({"inputs": ["2 3\n"], "outputs": ["5\n"], "fn_name": None})}}
+            verdict = grade_livecodebench(item, "a, b = map(int, input().split())\nprint(a + b)", memory_mb)
+        if not verdict["passed"]:
+            raise DataError(f"--code_memory_mb {memory_mb}: a known-good {task} program fails in the sandbox "
+                            f"({verdict['result']}); raise --code_memory_mb (default 4096)")
+
+
+def read_summary(path: Path) -> dict:
+    """The figures of earlier runs into this folder; this run replaces those of the tasks it runs."""
+    try:
+        summary = json.loads(simulator.read_text(path, "summary file"))
+    except json.JSONDecodeError as error:
+        raise DataError(f"{path}:{error.lineno}: not valid JSON ({error.msg}); delete it: each task's figures are "
+                        "computed again from its <task>.jsonl when the task runs") from None
+    if not isinstance(summary, dict):
+        raise DataError(f"{path}: not a summary (a JSON object); delete it")
+    return summary
 
 
 def evaluate(args: GeneralEvalArguments) -> dict:
     from tqdm import tqdm
 
-    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
-    unknown = [task for task in tasks if task not in TASKS]
-    if unknown:
-        raise DataError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASKS)}")
+    from eval_sentient import check_local_model
+
+    tasks = task_list(args.tasks)
     output_dir = Path(args.output_dir) if args.output_dir else default_output_dir(args)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    simulator.check_output_folder(output_dir, "output_dir")  # made with the first rows written
+    check_local_model(args)  # a mistyped --model fails in a second, not after the data loads
     data = {task: LOADERS[task](args) for task in tasks}  # before the model: bad data fails in seconds
-    backend = make_backend(args)
+    check_sandbox(data, args.code_memory_mb)
     summary_path = output_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary = read_summary(summary_path) if summary_path.is_file() else {}
+    done = {task: finished_items(output_dir / f"{task}.jsonl", data[task]) for task in tasks}
+    backend = make_backend(args)
     for task in tasks:
-        summary[task] = summarize(task, run_task(task, data[task], args, backend, output_dir, tqdm))
-        summary_path.write_text(json.dumps({**summary, "model": args.model, "think": args.think}, indent=2) + "\n")
+        summary[task] = summarize(task, run_task(task, data[task], done[task], args, backend, output_dir, tqdm))
+        partial = summary_path.with_suffix(".json.partial")
+        partial.write_text(json.dumps({**summary, "model": args.model, "think": args.think}, indent=2) + "\n")
+        partial.replace(summary_path)  # a run killed while writing leaves the previous summary whole
     return {task: summary[task] for task in tasks}
 
 
@@ -653,16 +736,17 @@ def main(argv=None) -> None:
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(GeneralEvalArguments, description=__doc__.split("\n")[0])
-    (args,) = parser.parse_args_into_dataclasses(argv)
+    try:
+        (args,) = parser.parse_args_into_dataclasses(argv)
+    except simulator.ArgumentError as error:
+        parser.error(str(error))
     try:
         if args.compare:
-            if len(args.compare) != 2:
-                raise DataError("--compare takes two paths: BASE TRAINED")
             table = compare(*args.compare, samples=args.bootstrap_samples)
             print(format_comparison(table, *args.compare))
             return
         summary = evaluate(args)
-    except (DataError, simulator.SimulatorError) as error:
+    except (simulator.InputError, simulator.SimulatorError) as error:
         sys.exit(f"error: {error}")
     print(format_summary(summary))
     print(f"\nper-item results and summary.json in {Path(args.output_dir) if args.output_dir else default_output_dir(args)}")

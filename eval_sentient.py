@@ -69,7 +69,15 @@ class EvalArguments:
     batch_size: int = field(default=16, metadata={"help": "scenarios played at once (local models; endpoints: at once in flight)"})
     rescore: list[str] = field(default_factory=list, metadata={
         "help": "result files to summarise (ours or official), printed as a leaderboard; no model is loaded"})
-    bootstrap_samples: int = field(default=10000, metadata={"help": "resamples for the score's 95% interval"})
+    bootstrap_samples: int = field(default=10000, metadata={"help": "resamples for the score's 95%% interval"})
+
+    def __post_init__(self):
+        simulator.check_options(
+            self, limit=(lambda value: value >= 1, "at least 1 (leave it out for every scenario)"),
+            max_reply_tokens=simulator.AT_LEAST_ONE, max_think_tokens=simulator.AT_LEAST_ONE,
+            max_dialogue_tokens=simulator.AT_LEAST_ONE, temperature=simulator.NOT_NEGATIVE,
+            top_p=(lambda value: 0 < value <= 1, "above 0 and at most 1"), seed=simulator.NOT_NEGATIVE,
+            batch_size=simulator.AT_LEAST_ONE, bootstrap_samples=simulator.AT_LEAST_ONE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,10 +88,20 @@ class ResultFileError(simulator.InputError):
     """A result row that does not follow SAGE's format."""
 
 
-def read_results(path) -> list[dict]:
-    """Result rows, checked: each needs an `id`, an `emo_point` within 0-100 and a `history` list."""
-    rows, seen = [], set()
-    for _, where, row in simulator.json_lines(path, "result file", ResultFileError):
+def read_results(path, skip_cut_last_line: bool = False) -> list[dict]:
+    """The rows of a result file (result_rows); a file without any is an error."""
+    rows = list(result_rows(path, skip_cut_last_line))
+    if not rows:
+        raise ResultFileError(f"{path}: no result rows")
+    return rows
+
+
+def result_rows(path, skip_cut_last_line: bool = False):
+    """Each row, checked: it needs an `id`, an `emo_point` within 0-100 and a `history` list. Our own output,
+    read to resume or summarise it, may end in a line cut short by a killed run: `skip_cut_last_line`
+    leaves that line out (with a warning), and its scenario is played again."""
+    seen = set()
+    for _, where, row in simulator.json_lines(path, "result file", ResultFileError, skip_cut_last_line):
         if not isinstance(row, dict):
             raise ResultFileError(f"{where}: a result row must be a JSON object")
         point = row.get("emo_point")
@@ -94,10 +112,7 @@ def read_results(path) -> list[dict]:
         if row["id"] in seen:
             raise ResultFileError(f"{where}: scenario {row['id']!r} appears twice")
         seen.add(row["id"])
-        rows.append(row)
-    if not rows:
-        raise ResultFileError(f"{path}: no result rows")
-    return rows
+        yield row
 
 
 def judged_replies(row: dict) -> int:
@@ -188,13 +203,14 @@ def default_output(args: EvalArguments) -> Path:
 
 
 def finished_ids(path: Path) -> set[str]:
-    return {row["id"] for row in read_results(path)} if path.is_file() and path.stat().st_size else set()
+    """Scenarios already in our output (none when it does not exist yet)."""
+    return {row["id"] for row in result_rows(path, skip_cut_last_line=True)} if path.is_file() else set()
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
-    with path.open("a", encoding="utf-8") as out:
-        for row in rows:
-            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    """Append result rows; the folder is made with the first one, so a run that fails earlier leaves none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    simulator.append_json_lines(path, rows)  # a last line cut short by a killed run is dropped first
 
 
 def benchmark_config(simulator_args, args: EvalArguments | None = None) -> rollout.RolloutConfig:
@@ -222,11 +238,13 @@ def loadable_model(name_or_path: str) -> str:
     if (path / "adapter_config.json").is_file():
         return merged_adapter(path)
     if not (path / "config.json").is_file():
-        raise SystemExit(f"{path} holds neither a model (config.json) nor a PEFT adapter (adapter_config.json)")
+        raise simulator.InputError(f"{path} holds neither a model (config.json) nor a PEFT adapter "
+                                   "(adapter_config.json)")
     if not (path / "tokenizer_config.json").is_file():
-        raise SystemExit(f"{path} holds a model but no tokenizer (tokenizer_config.json), and no adapter_config.json "
-                         "names a base model to take one from; save the tokenizer of the model it was trained from "
-                         f"into it: AutoTokenizer.from_pretrained(BASE).save_pretrained({str(path)!r})")
+        raise simulator.InputError(
+            f"{path} holds a model but no tokenizer (tokenizer_config.json), and no adapter_config.json names a base "
+            "model to take one from; save the tokenizer of the model it was trained from into it: "
+            f"AutoTokenizer.from_pretrained(BASE).save_pretrained({str(path)!r})")
     return str(path)
 
 
@@ -246,16 +264,20 @@ def merged_adapter(path: Path) -> str:
     target = simulator.MODEL_CACHE / "merged" / f"{path.name}-{digest}"
     if (target / "config.json").is_file():
         return str(target)
-    base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    try:
+        config = json.loads(simulator.read_text(path / "adapter_config.json", "adapter config"))
+    except json.JSONDecodeError as error:
+        raise simulator.InputError(f"{path}/adapter_config.json:{error.lineno}: not valid JSON ({error.msg})") from None
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
     if not base:
-        raise SystemExit(f"{path}/adapter_config.json does not name its base model (base_model_name_or_path)")
+        raise simulator.InputError(f"{path}/adapter_config.json does not name its base model (base_model_name_or_path)")
     base = simulator.resolve_model(base)
     tokenizer_source = path if (path / "tokenizer_config.json").is_file() else base
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     except (OSError, ValueError) as error:  # no such hub id; a folder without tokenizer files
-        raise SystemExit(f"{path} holds no tokenizer (tokenizer_config.json), nor does its base model {base!r} "
-                         f"(adapter_config.json): {error}") from None
+        raise simulator.InputError(f"{path} holds no tokenizer (tokenizer_config.json), nor does its base model "
+                                   f"{base!r} (adapter_config.json): {error}") from None
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path).merge_and_unload()
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted merge
@@ -265,17 +287,32 @@ def merged_adapter(path: Path) -> str:
     return str(target)
 
 
-def load_generator(args):
-    """(generate, tokenizer) for the tested local model: an in-process vLLM engine with --use_vllm (the
-    transformers model is never loaded then: the engine wants its share of the GPU), else transformers,
-    on the GPU if there is one. Both sample from torch's RNG state, which the callers seed per batch."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+def check_local_model(args) -> None:
+    """Refuse at once, before anything slow, a local --model that is neither a folder here nor a hub id
+    to be had (an endpoint's model is checked by the endpoint; the packaged model is converted on demand)."""
+    if not args.model_base_url and args.model != simulator.PACKAGED_MODEL:
+        simulator.check_model_source(args.model, "model")
+
+
+def load_tokenizer(args):
+    """(folder, tokenizer) of the tested local model: the folder from loadable_model. The tokenizer comes
+    first, so the dialogue runner and the simulator's endpoint are checked before the weights load."""
+    from transformers import AutoTokenizer
 
     folder = loadable_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return folder, AutoTokenizer.from_pretrained(folder)
+
+
+def load_generator(args, folder: str, tokenizer):
+    """`generate` for the tested local model (load_tokenizer's folder and tokenizer): an in-process vLLM
+    engine with --use_vllm (the transformers model is never loaded then: the engine wants its share of
+    the GPU), else transformers, on the GPU if there is one. Both sample from torch's RNG state, which
+    the callers seed per batch."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     if args.use_vllm:
-        return rollout.VLLMEngineGenerator(folder, args.temperature, args.top_p, args.seed), tokenizer
+        return rollout.VLLMEngineGenerator(folder, args.temperature, args.top_p, args.seed)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     if torch.cuda.is_available():
         model.to("cuda")
@@ -283,22 +320,24 @@ def load_generator(args):
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
         if args.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     return rollout.TransformersGenerator(model, tokenizer, GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id, **sampling)), tokenizer
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id, **sampling))
 
 
-def play_local(args, simulator_args, chat, profiles, output: Path, progress) -> None:
+def play_local(args, simulator_args, chat, profiles, done: set, output: Path, progress) -> None:
     """Batches of scenarios in lockstep through rollout.py. Batches are cut from the full scenario list
     and each is seeded by its index, so a resumed run plays what the uninterrupted run would have."""
     import torch
 
     rollout.use_all_cpu_cores()
-    generate, tokenizer = load_generator(args)
+    folder, tokenizer = load_tokenizer(args)
     runner = rollout.DialogueRunner(tokenizer, benchmark_config(simulator_args, args), chat)
-    if chat is not None:
-        runner.loop.run_until_complete(chat.check())  # on the loop that will use its connections
-    done = finished_ids(output)
     lost = []  # scenarios whose simulated user failed past its retries: not written, so a rerun plays them
     try:
+        for profile in profiles:  # a --max_dialogue_tokens too small for a prompt fails before the weights load
+            runner.prompt_ids(profile, profile.first_talk)
+        if chat is not None:  # a wrong URL, key or model name fails now, before the weights load
+            runner.loop.run_until_complete(chat.check())  # on the loop that will use its connections
+        generate = load_generator(args, folder, tokenizer)
         for index in range(0, len(profiles), args.batch_size):
             batch = [p for p in profiles[index:index + args.batch_size] if p.id not in done]
             if not batch:
@@ -317,7 +356,7 @@ def play_local(args, simulator_args, chat, profiles, output: Path, progress) -> 
             f"{lost[0].failure}); rerun the same command to play them again")
 
 
-async def play_endpoint(args, simulator_args, chat, profiles, output: Path, progress) -> None:
+async def play_endpoint(args, simulator_args, chat, profiles, done: set, output: Path, progress) -> None:
     """Scenarios concurrently (at most batch_size at once) against an OpenAI-compatible endpoint; the
     model sees the system prompt and the dialogue's messages, never its own earlier thinking."""
     client = simulator.ChatClient(args.model_base_url, args.model, args.model_api_key_env,
@@ -328,7 +367,6 @@ async def play_endpoint(args, simulator_args, chat, profiles, output: Path, prog
     if chat is not None:
         await chat.check()
     gate = asyncio.Semaphore(args.batch_size)
-    done = finished_ids(output)
 
     async def play(index, profile):
         async with gate:
@@ -352,14 +390,16 @@ async def play_endpoint(args, simulator_args, chat, profiles, output: Path, prog
 def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) -> dict:
     """Play every unfinished scenario, then summarise the output file."""
     profiles = simulator.load_profiles(args.profiles, require_first_talk=True)[:args.limit]
+    simulator.check_backend(profiles, simulator_args)
     output = Path(args.output) if args.output else default_output(args)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    simulator.check_output_file(output, "output")  # its folder is made with the first row written
     done = finished_ids(output)
     unknown = done - {p.id for p in profiles}
     if unknown:
-        raise SystemExit(f"{output} holds results for scenarios not in {args.profiles} (e.g. {sorted(unknown)[0]}); "
-                         "choose another --output")
+        raise ResultFileError(f"{output} holds results for scenarios not in {args.profiles} (e.g. "
+                              f"{sorted(unknown)[0]}); choose another --output")
     if len(done) < len(profiles):
+        check_local_model(args)
         chat = simulator.make_chat(simulator_args)
         points = []
         with rollout.DialogueProgress(len(profiles), len(done), "scenarios") as bar:
@@ -368,10 +408,10 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
                 bar.advance(len(rows), sum(points) / len(points))
 
             if args.model_base_url:
-                asyncio.run(play_endpoint(args, simulator_args, chat, profiles, output, progress))
+                asyncio.run(play_endpoint(args, simulator_args, chat, profiles, done, output, progress))
             else:
-                play_local(args, simulator_args, chat, profiles, output, progress)
-    summary = summarize(read_results(output), args.bootstrap_samples)
+                play_local(args, simulator_args, chat, profiles, done, output, progress)
+    summary = summarize(read_results(output, skip_cut_last_line=True), args.bootstrap_samples)
     summary.update(results=str(output), model=args.model, think=args.think, simulator=simulator_args.backend,
                    simulator_model=simulator_args.simulator_model if simulator_args.backend != "rule" else None)
     output.with_suffix(".summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
@@ -395,7 +435,7 @@ def main(argv=None) -> None:
                 print(format_summary(summary, path))
             return
         summary = evaluate(args, simulator_args)
-    except (ResultFileError, simulator.ProfileError, simulator.SimulatorError) as error:
+    except (simulator.InputError, simulator.SimulatorError) as error:
         sys.exit(f"error: {error}")
     print(format_summary(summary, f"Sentient benchmark: {summary['results']} ({args.model}"
                                   f"{', think' if args.think else ''}; {simulator_args.backend} simulator)"))

@@ -531,18 +531,25 @@ class DialogueRunner:
         returns (sampled ids per context, their logprobs or None)."""
         return self.loop.run_until_complete(self._run(starts, generate))
 
+    def prompt_ids(self, profile, opening: str) -> list[int]:
+        """The policy's prompt for a dialogue (system prompt and the user's opening); refused when it leaves
+        no room for one turn within max_dialogue_tokens."""
+        c = self.config
+        system = policy_system_prompt(c.language or profile.language, c.think, c.policy_prompt)
+        prompt_ids = self.segments.prompt_ids(system, opening)
+        needed = len(prompt_ids) + self.min_turn_tokens
+        if needed > c.max_dialogue_tokens:
+            raise simulator.InputError(f"--max_dialogue_tokens {c.max_dialogue_tokens}: profile {profile.id} needs "
+                                       f"{needed} tokens for its prompt and a short reply; raise it to at least {needed}")
+        return prompt_ids
+
     async def _run(self, starts, generate) -> list[Dialogue]:
         c = self.config
         dialogues = []
         for profile, opening in starts:
             sim = self.new_simulator(profile)
             await sim.open(opening)
-            language = c.language or profile.language
-            prompt_ids = self.segments.prompt_ids(policy_system_prompt(language, c.think, c.policy_prompt), opening)
-            if len(prompt_ids) + self.min_turn_tokens > c.max_dialogue_tokens:
-                raise ValueError(f"profile {profile.id}: the prompt alone takes {len(prompt_ids)} tokens, more than "
-                                 f"max_dialogue_tokens={c.max_dialogue_tokens} allows")
-            dialogues.append(Dialogue(self._next_id, profile, sim, prompt_ids))
+            dialogues.append(Dialogue(self._next_id, profile, sim, self.prompt_ids(profile, opening)))
             self._next_id += 1
         gate = asyncio.Semaphore(c.simulator_concurrency)
         for _ in range(c.max_turns):  # a fixed number of generate calls: ranks stay in lockstep

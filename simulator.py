@@ -288,15 +288,15 @@ def read_config(path, parser, extra_keys: tuple[str, ...] = ()) -> dict:
     return config
 
 
-def check_output_folder(path, option: str) -> None:
+def check_output_folder(path, option: str, given=None) -> None:
     """Refuse an output folder that cannot be created or written, without creating it (a run that fails
-    later would leave it behind empty)."""
+    later would leave it behind empty); `given` is the path as the option named it, if not the folder."""
     path = Path(path)
     existing = next(folder for folder in [path, *path.parents] if folder.exists())
     if not existing.is_dir():
-        raise InputError(f"--{option} {path}: {existing} is a file, not a folder")
+        raise InputError(f"--{option} {given or path}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"--{option} {path}: {existing} is not writable")
+        raise InputError(f"--{option} {given or path}: {existing} is not writable")
 
 
 def check_output_file(path, option: str) -> None:
@@ -304,7 +304,7 @@ def check_output_file(path, option: str) -> None:
     path = Path(path)
     if path.is_dir():
         raise InputError(f"--{option} {path}: a folder; give the path of the file to write")
-    check_output_folder(path.parent, option)
+    check_output_folder(path.parent, option, given=path)
 
 
 class ProfileError(InputError):
@@ -622,8 +622,8 @@ class ChatClient:
         """Fail early, with what to check, when the endpoint cannot serve this model."""
         import openai
 
-        try:
-            models = [m.id async for m in self.client.models.list()]
+        try:  # one retry, not the calls' back-off: a start-up check should answer in a second or two
+            models = [m.id async for m in self.client.with_options(max_retries=1).models.list()]
         except openai.APIConnectionError as error:
             raise SimulatorError(f"cannot reach the {self.role} endpoint {self.base_url} ({error}); "
                                  "check the base URL and that the server is running") from None

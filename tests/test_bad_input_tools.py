@@ -106,7 +106,7 @@ def test_report_out_under_a_file_is_refused_and_nothing_is_written(tmp_path):
     blocker = tmp_path / "notes.txt"
     blocker.write_text("a file, not a folder")
     assert exit_message(report.main, [str(run), "--out", str(blocker / "run.html")]) == (
-        f"error: --out {blocker}: {blocker} is a file, not a folder")
+        f"error: --out {blocker / 'run.html'}: {blocker} is a file, not a folder")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt", "run"]
 
 

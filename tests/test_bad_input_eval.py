@@ -1,0 +1,315 @@
+"""Bad input to eval_sentient.py and eval_general.py: one line saying what is wrong and how to fix it, a
+non-zero exit, no traceback, no data lost, and where it can be checked before a model loads, a refusal
+before it does. The scripts' main() runs in-process; a test that must not reach a model replaces the
+loading functions with ones that fail the test."""
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, profile_row, write_jsonl
+from fake_openai import FakeOpenAIServer
+
+import eval_general
+import eval_sentient
+import simulator
+
+
+def outcome(main, argv, capsys) -> tuple[int, str]:
+    """(exit status, what the user reads) of a run that exits: sys.exit("error: ...") exits 1 with its
+    message, parser.error exits 2 with usage and the message on stderr."""
+    with pytest.raises(SystemExit) as exit:
+        main([str(arg) for arg in argv])
+    code = exit.value.code
+    return (1, code) if isinstance(code, str) else (code, capsys.readouterr().err)
+
+
+def fail_if_called(what):
+    def called(*args, **kwargs):
+        raise AssertionError(f"{what} was called: the bad input should have been refused before")
+    return called
+
+
+@pytest.fixture
+def no_sentient_model(monkeypatch):
+    """eval_sentient must not load the tested model (tokenizer or weights) nor the simulator's."""
+    monkeypatch.setattr(eval_sentient, "load_tokenizer", fail_if_called("load_tokenizer"), raising=False)
+    monkeypatch.setattr(eval_sentient, "load_generator", fail_if_called("load_generator"))
+    monkeypatch.setattr(simulator, "LocalChat", fail_if_called("LocalChat"))
+
+
+@pytest.fixture
+def no_general_model(monkeypatch):
+    monkeypatch.setattr(eval_general, "make_backend", fail_if_called("make_backend"))
+
+
+@pytest.fixture
+def offline_hub(monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+
+
+def benchmark_profiles(path, count=2, language="en"):
+    intentions = list(simulator.INTENTIONS)
+    rows = [profile_row(intentions[i], id=f"bench-{i}", first_talk=f"Something happened with my sister, part {i}.",
+                        task=simulator.INTENTIONS[intentions[i]][language == "zh"]) for i in range(count)]
+    return write_jsonl(path, rows)
+
+
+def result_row(scenario_id, point=50):
+    return {"id": scenario_id, "emo_point": point, "emo_state": "Emotion-B",
+            "history": [{"role": "user", "content": "Hi.", "emotion-point": 40}]}
+
+
+# --------------------------------------------------------------------------------------------
+# Help and numbers out of range: refused while parsing, usage and exit 2
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("main", [eval_sentient.main, eval_general.main], ids=["sentient", "general"])
+def test_help_prints_and_exits_0(main, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--help"])
+    assert exit.value.code == 0 and "--bootstrap_samples" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--limit", 0], "--limit 0: must be at least 1 (leave it out for every scenario)"),
+    (["--limit", -15], "--limit -15: must be at least 1"),
+    (["--batch_size", 0], "--batch_size 0: must be at least 1"),
+    (["--max_reply_tokens", 0], "--max_reply_tokens 0: must be at least 1"),
+    (["--max_dialogue_tokens", 0], "--max_dialogue_tokens 0: must be at least 1"),
+    (["--bootstrap_samples", 0], "--bootstrap_samples 0: must be at least 1"),
+    (["--bootstrap_samples", -5], "--bootstrap_samples -5: must be at least 1"),
+    (["--temperature", -1], "--temperature -1.0: must be 0 or more"),
+    (["--temperature", "inf"], "--temperature inf: must be a finite number"),
+    (["--top_p", 0], "--top_p 0.0: must be above 0 and at most 1"),
+    (["--top_p", "nan"], "--top_p nan: must be a finite number"),
+    (["--seed", -1], "--seed -1: must be 0 or more"),
+])
+def test_sentient_numbers_out_of_range_are_refused_while_parsing(argv, message, capsys):
+    status, error = outcome(eval_sentient.main, argv, capsys)
+    assert status == 2 and message in error
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--limit", -2], "--limit -2: must be at least 1 (leave it out for every item)"),
+    (["--limit", 0], "--limit 0: must be at least 1"),
+    (["--max_new_tokens", 0], "--max_new_tokens 0: must be at least 1 (leave it out for each task's own budget)"),
+    (["--code_memory_mb", 0], "--code_memory_mb 0: must be at least 256 (MB)"),
+    (["--compare", "A", "B", "--bootstrap_samples", 0], "--bootstrap_samples 0: must be at least 1"),
+    (["--batch_size", 0], "--batch_size 0: must be at least 1"),
+    (["--temperature", "nan"], "--temperature nan: must be a finite number"),
+    (["--top_p", 1.5], "--top_p 1.5: must be above 0 and at most 1"),
+])
+def test_general_numbers_out_of_range_are_refused_while_parsing(argv, message, capsys):
+    status, error = outcome(eval_general.main, argv, capsys)
+    assert status == 2 and message in error
+
+
+def test_a_refusal_while_parsing_is_usage_and_one_line_not_a_traceback():
+    finished = subprocess.run([sys.executable, "eval_general.py", "--compare", "A", "B", "--bootstrap_samples", "0"],
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 2 and "Traceback" not in finished.stderr
+    assert finished.stderr.splitlines()[-1] == "eval_general.py: error: --bootstrap_samples 0: must be at least 1"
+
+
+# --------------------------------------------------------------------------------------------
+# Impossible combinations
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", ""], "--tasks '': must be one or more of math500, livecodebench, humaneval, ifeval"),
+    (["--tasks", ","], "--tasks ',': must be one or more of"),
+    (["--tasks", "humaneval,math"], "--tasks 'humaneval,math': must be one or more of"),
+    (["--compare", "A"], "--compare ['A']: must be two paths: BASE TRAINED"),
+    (["--livecodebench_release", "release_v9"], "--livecodebench_release 'release_v9': must be one of release_v1"),
+    (["--livecodebench_start_date", "2024-1-5"], "--livecodebench_start_date '2024-1-5': must be a date, YYYY-MM-DD"),
+    (["--livecodebench_start_date", "2024-02-01", "--livecodebench_end_date", "2024-01-01"],
+     "--livecodebench_start_date 2024-02-01 is after --livecodebench_end_date 2024-01-01"),
+])
+def test_general_options_that_select_nothing_or_cannot_hold_are_refused_while_parsing(argv, message, capsys):
+    status, error = outcome(eval_general.main, argv, capsys)
+    assert status == 2 and message in error
+
+
+@pytest.mark.parametrize("language_flag", [[], ["--language", "zh"]], ids=["chinese-profiles", "language-zh"])
+def test_chinese_dialogues_with_the_rule_backend_are_refused_before_any_model_loads(language_flag, no_sentient_model,
+                                                                                 tmp_path, capsys):
+    language = "en" if language_flag else "zh"
+    profiles = benchmark_profiles(tmp_path / "bench.jsonl", language=language)
+    status, error = outcome(eval_sentient.main, ["--profiles", profiles, "--output", tmp_path / "new" / "r.jsonl",
+                                                 *language_flag], capsys)
+    why = "--language zh" if language_flag else "profile bench-0 is Chinese"
+    assert status == 1 and error.startswith(f"error: {why}: the rule backend has English cues only")
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_dialogue_budget_too_small_for_the_prompt_is_refused_before_the_weights_load(packaged_model, monkeypatch,
+                                                                                       tmp_path, capsys):
+    monkeypatch.setattr(eval_sentient, "load_generator", fail_if_called("load_generator"))
+    profiles = benchmark_profiles(tmp_path / "bench.jsonl")
+    status, error = outcome(eval_sentient.main, ["--profiles", profiles, "--output", tmp_path / "r.jsonl",
+                                                 "--max_dialogue_tokens", 20], capsys)
+    assert status == 1 and error.startswith("error: --max_dialogue_tokens 20: profile bench-0 needs ")
+    assert error.endswith("raise it to at least " + error.split(" needs ")[1].split()[0])
+
+
+def test_sandbox_limits_a_reference_solution_cannot_run_under_are_refused_before_the_model_loads(
+        no_general_model, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(eval_general, "MIN_CODE_MEMORY_MB", 1)  # past the parse-time floor: the probe must catch it
+    status, error = outcome(eval_general.main, ["--tasks", "humaneval", "--limit", 1, "--code_memory_mb", 1,
+                                                "--output_dir", tmp_path / "out"], capsys)
+    assert status == 1 and error == ("error: --code_memory_mb 1: a known-good humaneval program fails in the sandbox "
+                                     "(MemoryError); raise --code_memory_mb (default 4096)")
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Unreadable and empty files: named with their line, before any model loads
+# --------------------------------------------------------------------------------------------
+
+LATIN1 = '{"id": "Jos\xe9"}\n'.encode("latin-1")
+BINARY = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe"
+
+
+def test_a_latin1_result_file_to_rescore_is_named_with_its_line(tmp_path, capsys):
+    path = tmp_path / "results.jsonl"
+    path.write_bytes(json.dumps(result_row("a")).encode() + b"\n" + LATIN1)
+    status, error = outcome(eval_sentient.main, ["--rescore", path], capsys)
+    assert status == 1 and error == (f"error: {path}:2: not UTF-8 text (byte 0xe9); is it the result file? "
+                                     "Save it as UTF-8")
+
+
+def test_a_binary_profile_file_is_named_before_any_model_loads(no_sentient_model, tmp_path, capsys):
+    path = tmp_path / "profiles.png"
+    path.write_bytes(BINARY)
+    status, error = outcome(eval_sentient.main, ["--profiles", path, "--output", tmp_path / "r.jsonl"], capsys)
+    assert status == 1 and error.startswith(f"error: {path}:1: not UTF-8 text (byte 0x89); is it the profile file?")
+
+
+def test_a_binary_result_file_to_compare_is_named_with_its_line(tmp_path, capsys):
+    base, trained = tmp_path / "base" / "math500.jsonl", tmp_path / "trained" / "math500.jsonl"
+    base.parent.mkdir(), trained.parent.mkdir()
+    write_jsonl(base, [{"id": "q0", "verdict": {"correct": True}}])
+    trained.write_bytes(BINARY)
+    status, error = outcome(eval_general.main, ["--compare", base, trained], capsys)
+    assert status == 1 and error.startswith(f"error: {trained}:1: not UTF-8 text (byte 0x89); is it the result file?")
+
+
+@pytest.mark.parametrize("content, message", [(LATIN1, ":1: not UTF-8 text (byte 0xe9); is it the data file?"),
+                                              (b"", ": no items in file"), (b"\n\n", ": no items in file")],
+                         ids=["latin1", "empty", "blank-lines"])
+def test_a_data_file_that_is_unreadable_or_empty_is_refused_before_the_model_loads_leaving_no_folder(
+        content, message, no_general_model, tmp_path, capsys):
+    data = tmp_path / "math500.jsonl"
+    data.write_bytes(content)
+    out = tmp_path / "runs" / "out"
+    status, error = outcome(eval_general.main, ["--tasks", "math500", "--math500_path", data, "--output_dir", out],
+                            capsys)
+    assert status == 1 and error.startswith(f"error: {data}{message}")
+    assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Paths: models and output folders
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model, message", [
+    ("./nope", "--model ./nope: no such folder (and not a hub id, which reads owner/name)"),
+    ("runs/nope", "--model runs/nope: no such folder, and not in the hub cache"),
+])
+def test_a_missing_sentient_model_is_refused_before_the_simulator_s_model_loads(model, message, offline_hub,
+                                                                                no_sentient_model, tmp_path, capsys):
+    status, error = outcome(eval_sentient.main, [
+        "--model", model, "--profiles", benchmark_profiles(tmp_path / "bench.jsonl"), "--output",
+        tmp_path / "new" / "r.jsonl", "--backend", "local", "--simulator_model", simulator.PACKAGED_MODEL], capsys)
+    assert status == 1 and error.startswith(f"error: {message}")
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("model, message", [
+    ("./nope", "--model ./nope: no such folder (and not a hub id, which reads owner/name)"),
+    ("runs/nope", "--model runs/nope: no such folder, and not in the hub cache"),
+])
+def test_a_missing_general_model_is_refused_before_the_data_loads(model, message, offline_hub, no_general_model,
+                                                                  monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(eval_general.LOADERS, "humaneval", fail_if_called("the data loader"))
+    status, error = outcome(eval_general.main, ["--model", model, "--tasks", "humaneval", "--output_dir",
+                                                tmp_path / "out"], capsys)
+    assert status == 1 and error.startswith(f"error: {message}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_paths_under_a_file_or_naming_a_folder_are_refused_creating_nothing(no_sentient_model,
+                                                                                  no_general_model, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    profiles = benchmark_profiles(tmp_path / "bench.jsonl")
+    status, error = outcome(eval_sentient.main, ["--profiles", profiles, "--output", blocker / "r.jsonl"], capsys)
+    assert status == 1 and error.startswith("error: --output ") and f"{blocker} is a file, not a folder" in error
+    status, error = outcome(eval_sentient.main, ["--profiles", profiles, "--output", tmp_path], capsys)
+    assert status == 1 and error.startswith(f"error: --output {tmp_path}: a folder")
+    status, error = outcome(eval_general.main, ["--tasks", "humaneval", "--output_dir", blocker / "out"], capsys)
+    assert status == 1 and error == f"error: --output_dir {blocker / 'out'}: {blocker} is a file, not a folder"
+
+
+# --------------------------------------------------------------------------------------------
+# Resuming onto a result file whose last line has no newline (a run killed while writing it)
+# --------------------------------------------------------------------------------------------
+
+CUT = '{"id": "bench-1", "emo_po'
+
+
+@pytest.mark.parametrize("last_line", ["whole", "cut"])
+def test_a_sentient_run_resumes_onto_a_last_line_without_newline_and_keeps_every_row(last_line, tmp_path, capsys):
+    profiles = benchmark_profiles(tmp_path / "bench.jsonl", count=3)
+    output = tmp_path / "r.jsonl"
+    first = json.dumps(result_row("bench-0"))
+    output.write_text(first if last_line == "whole" else f"{first}\n{CUT}", encoding="utf-8")
+    with FakeOpenAIServer(models=["tested"], default="That sounds hard. Tell me more about Dana.") as model:
+        eval_sentient.main(["--model", "tested", "--model_base_url", model.base_url, "--profiles", str(profiles),
+                            "--output", str(output), "--bootstrap_samples", "10"])
+    lines = output.read_text(encoding="utf-8").splitlines()
+    assert lines[0] == first and sorted(json.loads(line)["id"] for line in lines) == ["bench-0", "bench-1", "bench-2"]
+    if last_line == "cut":
+        assert "r.jsonl:2: the last line is cut short" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("last_line", ["whole", "cut"])
+def test_a_general_run_resumes_onto_a_last_line_without_newline_and_keeps_every_row(last_line, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    first = json.dumps({"id": "HumanEval/0", "prompt": "p", "output": "o", "verdict": {"passed": False, "result": "x"}})
+    (out / "humaneval.jsonl").write_text(first if last_line == "whole" else f'{first}\n{{"id": "HumanEval/1", "ver')
+    with FakeOpenAIServer(models=["tested"], default="```python\ndef f():\n    pass\n```") as model:
+        eval_general.main(["--model", "tested", "--model_base_url", model.base_url, "--tasks", "humaneval",
+                           "--limit", "2", "--output_dir", str(out)])
+    assert len(model.requests) == 1  # only the unfinished item
+    lines = (out / "humaneval.jsonl").read_text().splitlines()
+    assert lines[0] == first and [json.loads(line)["id"] for line in lines] == ["HumanEval/0", "HumanEval/1"]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("humaneval.jsonl", '{"id": "HumanEval/0", "verdict": {}}\n{oops\n{"id": "HumanEval/1", "verdict": {}}\n',
+     "humaneval.jsonl:2: not valid JSON"),
+    ("summary.json", '{"humaneval": {"items": 1,', "summary.json:1: not valid JSON"),
+], ids=["result-file", "summary"])
+def test_a_broken_file_in_the_output_folder_is_refused_before_the_model_loads(name, content, message, no_general_model,
+                                                                             tmp_path, capsys):
+    (tmp_path / name).write_text(content)
+    status, error = outcome(eval_general.main, ["--tasks", "humaneval", "--output_dir", tmp_path], capsys)
+    assert status == 1 and error.startswith(f"error: {tmp_path / name}") and message in error
+
+
+# --------------------------------------------------------------------------------------------
+# Endpoints: the simulator's is checked before the tested model's weights load
+# --------------------------------------------------------------------------------------------
+
+def test_an_unreachable_simulator_endpoint_is_refused_before_the_tested_model_loads(packaged_model, monkeypatch,
+                                                                                    tmp_path, capsys):
+    monkeypatch.setattr(eval_sentient, "load_generator", fail_if_called("load_generator"))
+    status, error = outcome(eval_sentient.main, [
+        "--profiles", benchmark_profiles(tmp_path / "bench.jsonl"), "--output", tmp_path / "new" / "r.jsonl",
+        "--backend", "llm", "--base_url", "http://127.0.0.1:9/v1", "--simulator_model", "x",
+        "--simulator_max_retries", 0], capsys)
+    assert status == 1 and error.startswith("error: cannot reach the simulator endpoint http://127.0.0.1:9/v1")
+    assert not (tmp_path / "new").exists()
