@@ -162,9 +162,11 @@ def read_local_rows(path, required: tuple[str, ...]) -> list[dict]:
 
 def read_hub_rows(task: str, split: str, local_flag: str) -> list[dict]:
     try:
-        from datasets import load_dataset
+        import datasets
 
-        return [dict(row) for row in load_dataset(HUB_DATASETS[task], split=split)]
+        if simulator.hub_unreachable():  # read the local datasets cache only: fail in seconds, not a minute
+            datasets.config.HF_HUB_OFFLINE = True
+        return [dict(row) for row in datasets.load_dataset(HUB_DATASETS[task], split=split)]
     except Exception as error:  # no network, no such dataset, a proxy error: all end the same way
         raise DataError(f"cannot load {HUB_DATASETS[task]} from the hub ({type(error).__name__}: {error}); "
                         f"pass {local_flag} with a local copy") from None
@@ -214,7 +216,9 @@ def livecodebench_rows(args) -> list[dict]:
         try:
             from huggingface_hub import hf_hub_download
 
-            paths = [hf_hub_download(HUB_DATASETS["livecodebench"], name, repo_type="dataset") for name in names]
+            offline = bool(simulator.hub_unreachable())  # then only the hub cache: fail in seconds, not a minute
+            paths = [hf_hub_download(HUB_DATASETS["livecodebench"], name, repo_type="dataset", local_files_only=offline)
+                     for name in names]
         except Exception as error:
             raise DataError(f"cannot load {HUB_DATASETS['livecodebench']} from the hub ({type(error).__name__}: "
                             f"{error}); pass --livecodebench_path with a local copy") from None

@@ -709,8 +709,6 @@ def check_model_source(name_or_path: str, option: str | None = None) -> None:
     that can be had: in the hub cache, or the hub reachable. transformers would say "Repo id must be in
     the form ..." for a mistyped path, and offline retry a hub id for most of a minute. `option` names the
     flag it came from in the error."""
-    from urllib.parse import urlparse
-
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -731,12 +729,25 @@ def check_model_source(name_or_path: str, option: str | None = None) -> None:
     missing = f"{given}: no such folder, and not in the hub cache ({constants.HF_HUB_CACHE})"
     if constants.HF_HUB_OFFLINE:
         raise InputError(f"{missing}; HF_HUB_OFFLINE is set, so the hub is not asked")
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise InputError(f"{missing}, and {unreachable}. Give a local folder, or download the model where the hub "
+                         "is reachable")
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be reached from here, in at most 5 s (None if it can): the hub's
+    clients would retry for most of a minute before failing."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
     endpoint = urlparse(constants.ENDPOINT)
     try:
         socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=5).close()
     except OSError as error:
-        raise InputError(f"{missing}, and the hub ({endpoint.hostname}) cannot be reached: {error}. Give a local "
-                         "folder, or download the model where the hub is reachable") from None
+        return f"the hub ({endpoint.hostname}) cannot be reached: {error}"
+    return None
 
 
 def resolve_model(name_or_path: str, option: str | None = None) -> str:

@@ -60,12 +60,15 @@ def test_a_malformed_data_line_names_its_file_and_line(tmp_path):
         eval_general.load_math500(eval_general.GeneralEvalArguments(math500_path=str(path)))
 
 
-def test_without_the_hub_and_without_a_local_file_loading_says_what_to_pass(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_without_the_hub_and_without_a_local_file_loading_says_what_to_pass_at_once(monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")  # nothing listens on port 9
+    monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", False)  # the loader turns it on: restored afterwards
+    started = time.perf_counter()
     with pytest.raises(eval_general.DataError, match=r"cannot load HuggingFaceH4/MATH-500 .*pass --math500_path"):
         eval_general.load_math500(eval_general.GeneralEvalArguments())
     with pytest.raises(eval_general.DataError, match=r"code_generation_lite .*pass --livecodebench_path"):
         eval_general.load_livecodebench(eval_general.GeneralEvalArguments())
+    assert time.perf_counter() - started < 10  # the hub clients' own retries took 46 s
 
 
 # --------------------------------------------------------------------------------------------
