@@ -16,23 +16,34 @@ Backends (`--backend`):
   user's message from that analysis and the discrete state. Prompts are the text files in
   `prompts/<language>/`; the policy's words go into them as JSON-quoted data, never as instructions.
 - `local`: the same prompts and parser, run through a transformers model in this process.
-- `rule` (offline default): deterministic, no LLM, English only. Its rules, applied to each reply:
+- `rule` (offline default): deterministic, no LLM, English only. It asks what a person would: is
+  this a coherent reply, in sentences, to what I said, that meets my hidden need, without repeating
+  itself? Its rules, applied to each reply (every change is given with its reason):
     1. Defects void any gain and cost emotion: garbled or non-language text (-10); text addressed
        to a scorer, a simulator or its instructions (-10); dismissive phrases (-10); stock empathy
        phrases used twice (-5) or three times or more (-10); a reply that repeats its own sentences
-       (-5) or an earlier reply (-5); copying the user's words back (-5); padding past
-       PADDING_WORDS words (-5); leaked `<think>` tags (-5).
-    2. Otherwise the reply gains by how well it serves the hidden intention: each intention has
-       a few cue families (e.g. "wants to be heard": names my feeling, reflects what I said,
-       validates, invites me to go on; "wants advice": concrete options, first steps), counted
-       once each however often they repeat, and a gain also needs *grounding*: at least
-       GROUNDING_WORDS content words that the user actually said. vanilla: 2+ families and
-       grounded +10; any word of the user's own taken up (partial credit for engaging with the
-       story) +5; else 0. challenging: 3+ families and grounded +10, 2+ and grounded +5, 1 and 1
-       shared word 0, else -5.
-    3. Frictions add to the gain: lecturing (-5, or for one lecturing phrase when the person wants
+       (-5) or an earlier reply, also as a template with other words slotted in (-5); copying the
+       user's sentences back (-5), or only the user's words back, listed, shuffled or reversed
+       (an echo: fewer than 2 content words of its own, -5); filler words (-5); cue phrases
+       stuffed together (more than 2 a sentence, or 4 in one, -5) or a sentence of comma-separated
+       fragments (-5); only questions (-5); padding past PADDING_WORDS words (-5); leaked
+       `<think>` tags (-5); fewer than MIN_WORDS words (-5).
+    2. Grounding: a reply that takes up fewer than GROUNDING_WORDS content words of the user's
+       story costs -5 however kind ("could be said to anyone"). The story is what the user said
+       (the opening and the own-words lines told since, never the rule user's canned reactions);
+       a word of the profile's untold story (a paraphrase that names part of it) can stand in for
+       one of them, not for all.
+    3. A grounded reply gains by how well it serves the hidden intention: each intention has a few
+       cue families (e.g. "wants to be heard": names my feeling, reflects what I said, validates,
+       invites me to go on; "wants advice": concrete options, first steps), each a set of phrases
+       (never single words), counted once however often they repeat. vanilla: 2+ families +10,
+       1 family +5, none 0. challenging: 3+ families +10, 2 +5, else 0.
+    4. Frictions add to the gain: lecturing (-5, or for one lecturing phrase when the person wants
        to vent, be empathised with, praised or cleared), blaming someone who wants to hear they
-       were not at fault (-10), solutions pushed on someone who wants to be heard (-5).
+       were not at fault (-10), solutions pushed on someone who wants to be heard (-5), cues against
+       the need (-5: clearing someone who wants to see their own part, both sides or the other's
+       motives; the other side's reasons for someone who wants to hear they were not at fault), and
+       patience: a second reply in a row that does not help (-5).
   The user's next message is written from the profile: a reaction to the reply, then the next of
   the profile's own-words lines (`## In <name>'s own words` in the scene) when the reply did not
   hurt, so later replies can ground in more of the story. Chinese profiles are refused: the rule
@@ -42,8 +53,8 @@ Variants (`--variant`), after the paper's finding that a forgiving simulator tra
 - `vanilla`: expressive and forgiving. LLM prompts ask for visible feelings and generous credit
   for partial effort; the rule user says what helped or hurt and nudges toward what it wants.
 - `challenging`: restrained and strict. LLM prompts ask for guarded feelings and credit only for
-  replies that really meet the hidden need; the rule user needs more for a gain, loses patience
-  with replies that do nothing (-5), and answers tersely without saying why.
+  replies that really meet the hidden need; the rule user needs more for a gain and answers
+  tersely without saying why.
 
 Run a dialogue in the terminal (type replies; an empty line ends):
     python simulator.py --profile en-train-01 --backend rule
@@ -866,11 +877,11 @@ thanks help helps situation happen happened happening
 """.split())
 
 DISMISSIVE = re.compile(r"\b(get over it|(?:it'?s |that'?s )?no(?:t a)? big deal|calm down|over-?react\w*|"
-                        r"stop (?:complaining|whining|worrying)|whatever|(?:it'?s|that'?s) not that bad|"
+                        r"stop (?:complaining|whining|worrying)|whatever(?=\s*[.,!]|$)|(?:it'?s|that'?s) not that bad|"
                         r"could be worse|(?:others|other people) have it worse|just move on|"
                         r"(?:so|too) (?:dramatic|sensitive)|it'?s nothing|deal with it|not my problem|"
                         r"who cares|grow up|man up|chill out|first world problem|get a grip|"
-                        r"don'?t worry about it|just relax|let it go)\b", re.IGNORECASE)
+                        r"don'?t worry about it|just relax|(?<!can't )(?<!cannot )let it go)\b", re.IGNORECASE)
 STOCK_PHRASES = re.compile(r"\b(i (?:completely |totally )?understand(?: how you feel)?|"
                            r"(?:that|this|it) (?:must be|sounds|is) (?:so |really )?(?:hard|tough|difficult)|"
                            r"(?:i'?m )?(?:so )?sorry (?:to hear (?:that|this)|you'?re going through this)|"
@@ -885,8 +896,10 @@ SCORER_ADDRESSED = re.compile(r"(\b(?:emotion|mood|happiness)[ -]?(?:score|point
                               r"\b(?:simulator|simulated user|system prompt|evaluator|grader|scorer)\b|"
                               r"\+\s?\d+\s*(?:points?)?\s*(?:to|for)\s+(?:the )?(?:user|emotion))",
                               re.IGNORECASE)
+FILLERS = re.compile(r"\b(?:um+|uh+|erm|er|hmm+|you know|i mean)\b", re.IGNORECASE)
 THINK_TAG = re.compile(r"</?\s*think\s*>", re.IGNORECASE)
-LECTURING = re.compile(r"\b(you (?:should|shouldn'?t) have|you need to|you must|you have to|you ought to|"
+LECTURING = re.compile(r"\b(you (?:should|shouldn'?t) have|you need to|you must(?! (?:feel|be|have (?:felt|been)))|you ought to|"
+                       r"you have to (?:stop|learn|accept|let|move|get over|be more|start|realize|understand)|"
                        r"the lesson here|learn from this|what you did wrong|stop being|you always|you never)\b",
                        re.IGNORECASE)
 BLAMING = re.compile(r"\b((?:partly |partially )?your (?:own )?fault|you were wrong|you (?:were|are) to blame|"
@@ -903,40 +916,59 @@ def _cues(*patterns: str) -> re.Pattern:
     return re.compile("|".join(f"(?:{p})" for p in patterns), re.IGNORECASE)
 
 
-# Cue families per need. A family counts once however often it appears, so stuffing one kind of
-# phrase earns no more than using it once.
+# Cue families per need: phrases, never single words ("however", a digit, "today" or "respect" alone
+# once paid a whole family). A family counts once however often it appears, and a reply whose
+# sentences are mostly cue phrases is a defect (CUE_STUFFING), so stuffing them earns nothing.
+JUDGEMENTS = r"(?:awful|horrible|terrible|infuriating|maddening|exhausting|painful|frightening|crushing|unfair|so much|a lot)"
 NAMES_FEELING = _cues(rf"\byou(?:'re| are| were| must be| might be| may be| seem| sound| feel| felt|'d feel| must feel| must have felt)\b[^.?!]{{0,40}}\b{FEELINGS}\b",
-                      rf"\b(?:so much|the) (?:{FEELINGS})\b")
+                      rf"\b(?:so much|the) (?:{FEELINGS})\b",
+                      rf"\b(?:that|it|this) (?:must|would|could|might) (?:have )?(?:feel|felt|be|been)\b[^.?!]{{0,20}}\b(?:{FEELINGS}|{JUDGEMENTS})\b",
+                      rf"\bi'?d (?:be|feel)\b[^.?!]{{0,20}}\b{FEELINGS}\b")
 VALIDATES = _cues(r"\bmakes (?:complete |total )?sense\b", r"\bno wonder\b", r"\bof course you\b",
-                  r"\bunderstandable\b", r"\banyone (?:would|in your)\b", r"\bit'?s natural\b", r"\bfair enough\b")
+                  r"\bunderstandable\b", r"\banyone (?:would|in your)\b", r"\bit'?s natural\b", r"\bfair enough\b",
+                  r"\b(?:most people|anybody|i) would (?:be|feel|have)\b", r"\b(?:that'?s|it'?s) (?:a )?(?:fair|valid|reasonable|normal)\b",
+                  r"\bi'?d be (?:furious|upset|angry|livid|hurt|gutted|devastated|shaken|scared)\b")
 REFLECTS = _cues(r"\bit sounds like\b", r"\bso you\b", r"\bwhat i'?m hearing\b", r"\byou'?re saying\b",
-                 r"\bif i understand\b", r"\bin other words\b", r"\bit seems like\b")
+                 r"\bif i understand\b", r"\bin other words\b", r"\bit seems like\b", r"\bsounds like you\b",
+                 r"\bwhat (?:stings|hurts|gets to you|bothers you)\b", r"\bthe (?:worst|hardest) part\b")
 INVITES = _cues(r"\b(?:tell me more|i'?m listening|go on|take your time|what (?:was|is) (?:that|it) like|"
                 r"how (?:did|does|do) (?:that|it|you) feel|what happened (?:next|then|after))\b",
-                r"\b(?:what|how)\b[^.?!]{0,60}\?")
+                r"\b(?:what|how|when|who|where|why|did|do|does|are|is|was|were|would|have|has)\b[^.?!]{0,80}\byou\w*\b[^.?!]{0,60}\?",
+                r"\b(?:what|how|when|who|where|why)\b[^.?!]{0,60}\?")
 OPTIONS = _cues(r"\byou (?:could|might|can) (?:try|start|ask|write|call|talk|set|look|check|consider|list|book|put|split|save)\b",
                 r"\b(?:one|another|a second|a third) (?:option|idea|thing to try|step)\b", r"\bfirst step\b",
-                r"\b(?:it might|it could|would it) help to\b", r"\bconsider\b", r"\bwhat if you\b", r"\bstart by\b")
-CONCRETE = _cues(r"\b(?:this week|tomorrow|today|tonight|by (?:monday|tuesday|wednesday|thursday|friday|the end))\b",
-                 r"\b\d+\b", r"\b(?:email|call|write down|a list|a budget|a plan|appointment|deadline|schedule)\b")
+                r"\b(?:it might|it could|would it) help to\b", r"\bconsider (?:\w+ing|asking|a|the|whether)\b",
+                r"\bwhat if you\b", r"\bstart by\b", r"\bworth (?:asking|trying|checking|a call)\b")
+CONCRETE = _cues(r"\b(?:call|email|write|ask|book|message|text|talk to|meet)\b[^.?!]{0,40}\b(?:this week|tomorrow|tonight|"
+                 r"today|by (?:monday|tuesday|wednesday|thursday|friday|the end))\b",
+                 r"\b(?:write down|a list|a budget|a plan|an appointment|a deadline|a schedule|in writing)\b")
 REASONS = _cues(r"\b(?:maybe|perhaps|possibly|probably) (?:he|she|they|him|her|them|his|her|their)\b",
                 r"\b(?:he|she|they) (?:might|may|could) (?:have|be|feel|not)\b", r"\bcould be that\b",
                 r"\bfrom (?:his|her|their) (?:side|point of view|perspective)\b",
                 r"\b(?:because|since) (?:he|she|they)\b", r"\b(?:his|her|their) (?:reasons?|fear|pressure|pride|worry)\b")
 TWO_SIDES = _cues(r"\bon (?:the )?one hand\b", r"\bon the other hand\b", r"\bat the same time\b",
                   r"\bboth (?:of you|sides|things)\b", r"\bfrom (?:his|her|their|your) (?:side|point of view|perspective)\b",
-                  r"\bthat doesn'?t (?:excuse|mean)\b", r"\b(?:fair|reasonable) to (?:you|him|her|them)\b",
-                  r"\b(?:however|whereas|while)\b")
+                  r"\bthat doesn'?t (?:excuse|mean)\b", r"\b(?:fair|reasonable) to (?:you|him|her|them)\b")
 CLEARS = _cues(r"\b(?:not|wasn'?t|isn'?t) your fault\b", r"\byou (?:did|do) nothing wrong\b",
                r"\byou didn'?t do anything wrong\b", r"\byou (?:did|were doing) (?:the right thing|your job|your part)\b",
                r"\byou were right\b", r"\byou had every right\b", r"\b(?:'s|is|was) on (?:him|her|them)\b",
-               r"\b(?:unfair|unjust) (?:to|on) you\b", r"\banyone would have\b")
+               r"\b(?:unfair|unjust) (?:to|on) you\b", r"\banyone would have\b", r"\byou did (?:exactly )?what\b",
+               r"\byou'?re not the one\b", r"\b(?:the )?blame (?:belongs|lies|sits) with\b", r"\byou followed\b",
+               r"\b(?:nothing|none of this) (?:to do with|on) you\b")
 GUIDES = _cues(r"\bwhat do you (?:think|make of|notice|feel)\b", r"\blooking back\b", r"\bwhat (?:would|might|could) you\b",
-               r"\bwhat did you learn\b", r"\bwhat matters (?:most )?to you\b", r"\bif you could\b", r"\bpattern\b",
-               r"\bhow do you see\b", r"\bwhat part\b")
+               r"\bwhat did you learn\b", r"\bwhat matters (?:most )?to you\b", r"\bif you could\b", r"\ba pattern\b",
+               r"\bhow do you see\b", r"\bwhat part\b", r"\byour (?:own )?part in\b")
 PRAISES = _cues(r"\b(?:proud of you|impressive|impressed|admire|admirable|brave|courage\w*|that took|remarkable|"
-                r"well done|kudos|credit|generous|thoughtful|respect)\b", r"\byou handled\b", r"\bthe way you\b",
-                r"\bit shows\b", r"\byou did (?:a )?(?:great|good|wonderful|amazing)\b")
+                r"well done|kudos|generous|thoughtful|good for you|hats off)\b", r"\byou handled\b", r"\bthe way you\b",
+                r"\bit shows\b", r"\byou did (?:a )?(?:great|good|wonderful|amazing)\b", r"\bthat'?s (?:no small|a real|quite an?) \w+",
+                r"\bthat takes\b", r"\bnot everyone would\b", r"\byou should be proud\b", r"\byou (?:pulled|managed)\b")
+ALL_CUES = (NAMES_FEELING, VALIDATES, REFLECTS, INVITES, OPTIONS, CONCRETE, REASONS, TWO_SIDES, CLEARS, GUIDES, PRAISES)
+# Cues that work against a need: siding with someone who wants to look at their own part or at
+# both sides, or defending the other side to someone who wants to hear they were not at fault.
+CONTRADICTS = {
+    "self_reflection": CLEARS, "balanced_analysis": CLEARS, "others_motives": CLEARS,
+    "not_at_fault": _cues(REASONS.pattern, TWO_SIDES.pattern),
+}
 
 INTENTION_CUES = {
     "not_at_fault": (CLEARS, VALIDATES, NAMES_FEELING),
@@ -979,11 +1011,23 @@ REACTIONS = {
     "blame": "So you think it's my fault too.",
     "fixing": "I don't need solutions right now. I need someone to listen.",
     "lecture": "I didn't come here to be lectured.",
+    "generic": "You could say that to anyone. Did you hear what happened to me?",
+    "echo": "You're just handing my own words back to me.",
+    "fillers": "Are you even listening, or just making noises?",
+    "stuffing": "That's a pile of therapy phrases, not an answer to me.",
+    "questions": "So many questions. What do you think, though?",
+    "against": "That's not what I need to hear right now.",
+    "stalling": "We're going around in circles.",
+    "fragments": "I can't follow that. It's all bits and pieces.",
     "gain_big": "Yes. That's exactly it. You actually heard what I said.",
     "gain": "Hm, that helps a little.",
     "flat": "I'm not sure that's what I need right now.",
 }
 TERSE = {1: "Okay.", 0: "Hm.", -1: "That's not helpful."}  # restrained reactions (challenging), by sign
+MOOD_LINES = {"avoidant": "Anyway. Maybe it doesn't matter that much.", "negative": "Honestly, I doubt anything will change."}
+# Everything the rule user says that is not its story: a reply that takes these words up is not listening.
+CANNED_LINES = (FAREWELL_MESSAGE, GIVE_UP_MESSAGE, *NUDGES.values(), *REACTIONS.values(), *TERSE.values(),
+                *MOOD_LINES.values())
 
 
 def _words(text: str) -> list[str]:
@@ -997,7 +1041,26 @@ def _key(word: str) -> str:
 
 
 def content_keys(text: str) -> set[str]:
-    return {_key(w) for w in _words(text) if len(w) >= 3 and w not in STOPWORDS and w not in GENERIC_WORDS}
+    """Stems of the text's content words, and its numbers ("640" of "€640")."""
+    return ({_key(w) for w in _words(text) if len(w) >= 3 and w not in STOPWORDS and w not in GENERIC_WORDS}
+            | set(re.findall(r"\d{2,}", text)))
+
+
+def cue_count(text: str) -> int:
+    """Cue phrases of any family in `text`, overlapping ones counted once."""
+    spans = sorted(match.span() for pattern in ALL_CUES for match in pattern.finditer(text))
+    count, end = 0, -1
+    for start, stop in spans:
+        if start >= end:
+            count += 1
+        end = max(end, stop)
+    return count
+
+
+def _skeleton(text: str, story_keys: set[str]) -> list[str]:
+    """The reply's words with the user's story words masked: the same template with other words slotted in
+    has the same skeleton."""
+    return ["_" if _key(word) in story_keys else word for word in _words(text)]
 
 
 def _ngrams(words: list[str], n: int) -> list[tuple]:
@@ -1040,14 +1103,20 @@ class RuleSimulator(Simulator):
         if self.language != "en":
             raise SimulatorError(rule_backend_refusal(profile, options.get("language")))
         self.lines = _own_words(profile)
+        # The facts of my story (backstory to the problem now, and my own words), not the sections on how
+        # I react or the hidden theme: their words describe replies, not my life.
+        self.story = content_keys(profile.scene.split("## Reactions")[0] + " ".join(self.lines))
         self.next_line = 1  # own-words line 0 opens the dialogue
         self._reaction = "flat"
+        self._last_change = 1  # the opening counts as going well: patience starts full
 
     async def _opening(self) -> str:
         return self.lines[0]
 
     def _user_text(self) -> str:
-        return " ".join(m["content"] for m in self.history if m["role"] == "user")
+        """What the user has told of their story: the opening and the own-words lines revealed since, not
+        the user's canned reactions ("exactly", "actually" would otherwise count as their words)."""
+        return " ".join([self.history[0]["content"], *self.lines[1:self.next_line]])
 
     def _earlier_replies(self) -> list[str]:
         return [m["content"] for m in self.history if m["role"] == "assistant"]
@@ -1059,17 +1128,25 @@ class RuleSimulator(Simulator):
         if defects:
             return sum(points for _, _, points in defects), defects
         families = [pattern for pattern in INTENTION_CUES[self.profile.intention] if pattern.search(reply_text)]
-        shared = content_keys(reply_text) & content_keys(self._user_text())
-        grounded = len(shared) >= GROUNDING_WORDS
-        if self.variant == "vanilla":
-            gain = 10 if len(families) >= 2 and grounded else 5 if shared else 0
-        else:
-            gain = (10 if len(families) >= 3 and grounded else 5 if len(families) >= 2 and grounded
-                    else 0 if families and shared else -5)
+        said = content_keys(self._user_text())
+        shared = content_keys(reply_text) & said
+        # A paraphrase of my story that names a part of it I have not told yet still shows it understood
+        # me; it can stand in for one of my words, not for all of them.
+        guessed = (content_keys(reply_text) & self.story) - said
         need = self.profile.intention.replace("_", " ")
+        took_up = f"took up {len(shared)} of my own words ({', '.join(sorted(shared)[:5]) or 'none'})"
+        if guessed and shared:
+            took_up += f" and {len(guessed)} of my story ({', '.join(sorted(guessed)[:3])})"
+        if len(shared) + min(1, len(guessed)) < GROUNDING_WORDS or not shared:  # it could have been said to anyone
+            return -5, [("generic", f"nothing about my situation: {took_up}", -5)]
+        if self.variant == "vanilla":
+            gain = 10 if len(families) >= 2 else 5 if families else 0
+        else:
+            gain = 10 if len(families) >= 3 else 5 if len(families) == 2 else 0
         key = "gain_big" if gain >= 10 else "gain" if gain > 0 else "flat"
-        reasons = [(key, f"{len(families)} cue famil{'y' if len(families) == 1 else 'ies'} for '{need}'; "
-                         f"took up {len(shared)} of my own words ({', '.join(sorted(shared)[:5]) or 'none'})", gain)]
+        reasons = [(key, f"{len(families)} cue famil{'y' if len(families) == 1 else 'ies'} for '{need}'; {took_up}", gain)]
+        if gain == 0 and self._last_change <= 0:  # patience: on topic, but still not what I need
+            reasons.append(("stalling", "a second reply in a row that does not help", -5))
         reasons += self._frictions(reply_text)
         return sum(points for _, _, points in reasons), reasons
 
@@ -1089,11 +1166,28 @@ class RuleSimulator(Simulator):
         trigrams = _ngrams(words, 3)
         if len(sentences) != len(set(sentences)) or (len(trigrams) >= 12 and len(set(trigrams)) / len(trigrams) < 0.7):
             found.append(("self_repeat", "repeats its own sentences", -5))
+        story = content_keys(self._user_text())
+        skeleton = set(_ngrams(_skeleton(reply_text, story), 3))  # my words masked: a template with new words slotted in
         for earlier in self._earlier_replies():
-            before = set(_ngrams(_words(earlier), 3))
-            if trigrams and before and len(set(trigrams) & before) / len(set(trigrams)) >= 0.5:
+            before = set(_ngrams(_skeleton(earlier, story), 3))
+            if skeleton and before and len(skeleton & before) / len(skeleton) >= 0.5:
                 found.append(("repeat", "mostly the same as an earlier reply", -5))
                 break
+        own = content_keys(reply_text) - story
+        if len(own) < 2 and content_keys(reply_text) & story:
+            found.append(("echo", "only my own words back, nothing of yours", -5))
+        fillers = FILLERS.findall(reply_text)
+        if len(fillers) >= 2:
+            found.append(("fillers", f"{len(fillers)} filler words ('{fillers[0]}')", -5))
+        per_sentence = [cue_count(part) for part in re.split(r"[.!?\n]+", reply_text)]
+        cues = sum(per_sentence)
+        if cues >= 3 and (cues > 2 * max(1, len(sentences)) or max(per_sentence) >= 4):
+            found.append(("stuffing", f"{cues} stock phrases in {len(sentences)} sentence(s), not a reply to me", -5))
+        if any(part.count(",") >= 3 and part.count(",") * 4 >= len(_words(part)) for part in re.split(r"[.!?\n]+", reply_text)):
+            found.append(("fragments", "a string of fragments between commas, not sentences", -5))
+        parts = [part for part in re.split(r"(?<=[.!?])\s+|\n+", reply_text.strip()) if _words(part)]
+        if len(parts) >= 2 and all(part.rstrip().endswith("?") for part in parts):
+            found.append(("questions", "only questions, nothing of your own", -5))
         user_fourgrams = set(_ngrams(_words(self._user_text()), 4))
         fourgrams = _ngrams(words, 4)
         if len(fourgrams) >= 3 and sum(g in user_fourgrams for g in fourgrams) / len(fourgrams) >= 0.5:
@@ -1117,10 +1211,14 @@ class RuleSimulator(Simulator):
             found.append(("lecture", f"lectured: '{lectures[0]}'", -5))
         if intention in WANTS_NO_FIXING and OPTIONS.search(reply_text):
             found.append(("fixing", "pushed solutions when I wanted to be heard", -5))
+        against = CONTRADICTS.get(intention)
+        if against is not None and against.search(reply_text):
+            found.append(("against", f"'{against.search(reply_text).group(0)}' is not what I need ({intention.replace('_', ' ')})", -5))
         return found
 
     async def _judge(self, reply_text: str) -> tuple[int, str]:
         change, reasons = self.score(reply_text)
+        self._last_change = change
         # The message reacts to the worst loss, or to the gain when nothing was lost.
         self._reaction = min(reasons, key=lambda reason: reason[2])[0] if change < 0 else reasons[0][0]
         return change, "; ".join(f"{text} ({points:+d})" for _, text, points in reasons)
@@ -1139,10 +1237,8 @@ class RuleSimulator(Simulator):
             self.next_line += 1
         elif self.variant == "vanilla" and self.profile.personality != "passive":
             parts.append(NUDGES[self.profile.intention])  # passive people do not steer the talk
-        if self.profile.personality == "avoidant" and self.state == "C":
-            parts.append("Anyway. Maybe it doesn't matter that much.")
-        elif self.profile.personality == "negative" and self.state == "C":
-            parts.append("Honestly, I doubt anything will change.")
+        if self.profile.personality in MOOD_LINES and self.state == "C":
+            parts.append(MOOD_LINES[self.profile.personality])
         return " ".join(parts)
 
 

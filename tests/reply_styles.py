@@ -58,15 +58,18 @@ DISMISSIVE = ["Honestly, it's not a big deal. You'll get over it.", "Calm down, 
 
 
 def salient_words(user_messages: list[str]) -> list[str]:
-    """The user's most specific words, newest message first: names, then long content words."""
+    """The user's most specific words, newest message first: names, then long content words. The rule
+    user's canned reactions ("Hm, that helps a little.") are left out: a listener answers the story."""
     picked = []
     for message in reversed(user_messages):
+        for canned in simulator.CANNED_LINES:
+            message = message.replace(canned, "")
         words = re.findall(r"(?<![.!?] )(?<!^)\b[A-Z][a-z]+\b", message)  # capitalised mid-sentence: names
-        words += sorted(re.findall(r"\b[a-z]{5,}\b", message), key=len, reverse=True)
+        words += sorted(re.findall(r"\b[a-z]{4,}\b", message), key=len, reverse=True)
         for word in words:
             lower = word.lower()
-            if (lower not in simulator.STOPWORDS and lower not in simulator.GENERIC_WORDS
-                    and not lower.endswith("ly") and word not in picked):
+            if (lower not in simulator.STOPWORDS and lower not in simulator.GENERIC_WORDS and not lower.endswith("ly")
+                    and simulator._key(lower) not in {simulator._key(p.lower()) for p in picked}):
                 picked.append(word)
         if len(picked) >= 2:
             return picked

@@ -188,17 +188,17 @@ def test_a_dialogue_ended_early_leaves_the_others_matched(tiny):
     chosen = profiles(3)
     starts, openings = starts_for(tokenizer, chosen)
     scripts = {
-        chosen[0].id: ["Just calm down, it's not a big deal."] * 4,  # gives up after two turns from 20
-        chosen[1].id: [f"Tell me more about that, turn {i}." for i in range(4)],
-        chosen[2].id: [f"What happened next, part {i}?" for i in range(4)],
+        chosen[0].id: ["Just calm down, it's not a big deal."] * 3,  # gives up after two turns from 20 (-10 each)
+        chosen[1].id: [f"Tell me more about that, turn {i}." for i in range(3)],  # generic: -5 each, three turns
+        chosen[2].id: [f"What happened next, part {i}?" for i in range(3)],
     }
-    dialogues = run(tokenizer, Scripted(tokenizer, scripts, openings), starts, max_turns=4, start_emotion=20)
+    dialogues = run(tokenizer, Scripted(tokenizer, scripts, openings), starts, max_turns=3, start_emotion=20)
     assert dialogues[0].end_reason == "gave_up" and len(dialogues[0].reply_texts) == 2
     for dialogue in dialogues:
         assert dialogue.reply_texts == scripts[dialogue.profile.id][:len(dialogue.reply_texts)]
         replies = [m["content"] for m in dialogue.simulator.history if m["role"] == "assistant"]
         assert replies == dialogue.reply_texts
-    assert [len(d.reply_texts) for d in dialogues[1:]] == [4, 4]
+    assert [len(d.reply_texts) for d in dialogues[1:]] == [3, 3]
 
 
 def test_thinking_near_the_dialogue_budget_leaves_room_for_the_close_and_a_minimal_reply(tiny):

@@ -46,10 +46,11 @@ def test_warm_specific_reply_gains_and_says_why(make_profile):
     assert "dana" in turn.reasoning and "lisbo" in turn.reasoning
 
 
-def test_a_reply_that_takes_up_nothing_the_user_said_earns_nothing(make_profile):
+def test_a_reply_that_takes_up_nothing_the_user_said_costs_emotion_however_kind(make_profile):
     generic = "It sounds like you feel so hurt. No wonder. What was that like for you?"
-    assert first_turn(make_profile("venting"), generic).change == 0
-    assert first_turn(make_profile("venting"), generic, variant="challenging").change == -5
+    for variant in simulator.VARIANTS:
+        turn = first_turn(make_profile("venting"), generic, variant=variant)
+        assert (turn.change, turn.reasoning) == (-5, "nothing about my situation: took up 0 of my own words (none) (-5)")
 
 
 def test_a_configured_change_bound_caps_the_gain_of_a_warm_reply(make_profile):
@@ -164,3 +165,78 @@ def test_on_all_our_profiles_warm_replies_win_and_bad_styles_fall_below_the_star
     for style in ("stock", "dismissive", "garbled"):
         assert means[style] < start, (style, means)
     assert set(means) == set(STYLES)
+
+
+# The rules an optimiser would otherwise exploit (tests/adversarial.py plays them over whole dialogues).
+
+def reason_keys(turn) -> list[str]:
+    return [part.split(":")[0].split(" (")[0] for part in turn.reasoning.split("; ")]
+
+
+def test_a_string_of_cue_phrases_is_stuffing_not_a_reply(make_profile):
+    salad = "It sounds like Dana, Lisbon, no wonder, not your fault, what about the wedding today? Respect."
+    turn = first_turn(make_profile("venting"), salad)
+    assert turn.change < 0 and "stock phrases in" in turn.reasoning and "fragments" in turn.reasoning
+
+
+def test_handing_the_users_own_words_back_is_an_echo(make_profile):
+    for echo in ["Dana, wedding, Lisbon, sister, skipped, thinking.",
+                 "thinking stop can't still I and Lisbon in wedding my skipped Dana sister My.",
+                 "So, Dana and Lisbon?"]:
+        turn = first_turn(make_profile("venting"), echo)
+        assert turn.change < 0 and "only my own words back" in turn.reasoning, echo
+
+
+def test_filler_words_cost_emotion(make_profile):
+    turn = first_turn(make_profile("venting"), "Um, Dana skipped, um, your wedding in Lisbon, uh, and you feel so hurt.")
+    assert turn.change < 0 and "filler words" in turn.reasoning
+
+
+def test_only_questions_are_not_a_reply(make_profile):
+    turn = first_turn(make_profile("venting"), "What happened with Dana? How did the wedding in Lisbon make you feel?")
+    assert turn.change < 0 and "only questions" in turn.reasoning
+
+
+def test_a_template_with_other_words_slotted_in_counts_as_a_repeat(make_profile):
+    template = "It sounds like {} left you so hurt. No wonder you can't stop thinking about {}. What was that like?"
+    first, second = turns(make_profile("venting"), [template.format("Dana", "Lisbon"),
+                                                     template.format("the ceremony", "your mother")])
+    assert first.change == 10 and "mostly the same as an earlier reply" in second.reasoning and second.change < 0
+
+
+def test_siding_with_someone_who_wants_to_see_their_own_part_costs_emotion(make_profile):
+    clearing = ("It wasn't your fault that Dana skipped your wedding in Lisbon. "
+                "Looking back, what do you notice about how it went?")
+    assert "is not what I need" in first_turn(make_profile("self_reflection"), clearing).reasoning
+    assert "is not what I need" not in first_turn(make_profile("not_at_fault"), clearing).reasoning
+
+
+def test_the_users_canned_reactions_are_not_their_story(make_profile):
+    profile = make_profile("venting")
+    reaction_words = "That helps a little, exactly, and actually you heard what you said."
+    first, second = turns(profile, [WARM, reaction_words])
+    assert simulator.REACTIONS["gain_big"] in first.message  # "exactly", "actually" were said, by the rule user
+    assert second.reasoning.startswith("nothing about my situation")
+
+
+def test_naming_an_untold_part_of_the_story_stands_in_for_one_of_the_users_words(make_profile):
+    profile = make_profile("venting")  # has told only the first own-words line: Dana, wedding, Lisbon
+    assert "mother" not in profile.scene.split("## In")[0] and "mother" in " ".join(OWN_WORDS[1:])
+    one_word = "You must feel so hurt that Dana did that. No wonder. What was it like?"
+    guessed = "You must feel so hurt that Dana did that, with your mother there too. No wonder. What was it like?"
+    assert first_turn(profile, one_word).reasoning.startswith("nothing about my situation")
+    turn = first_turn(profile, guessed)
+    assert turn.change == 10 and "1 of my story (mothe)" in turn.reasoning
+
+
+def test_a_second_unhelpful_reply_in_a_row_costs_patience(make_profile):
+    on_topic = ["Dana and the wedding in Lisbon were a big part of that year for your family.",
+                "The wedding in Lisbon must have taken a long time to plan with Dana around."]
+    first, second = turns(make_profile("venting", personality="passive"), on_topic)
+    assert (first.change, second.change) == (0, -5) and "a second reply in a row" in second.reasoning
+
+
+def test_you_must_feel_is_empathy_not_a_lecture(make_profile):
+    turn = first_turn(make_profile("venting"), "You must feel so hurt that Dana skipped the wedding in Lisbon. "
+                                               "No wonder you can't let it go. What was that day like?")
+    assert turn.change == 10 and "lectured" not in turn.reasoning

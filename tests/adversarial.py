@@ -1,0 +1,151 @@
+"""Degenerate reply strategies an RL optimiser could discover, played over whole dialogues against the
+rule user, next to the warm style and a neutral reply: the floor a trained model must beat.
+
+    python tests/adversarial.py            # both variants, training and benchmark protocols
+
+Every strategy sees what a policy sees (the user's messages so far) plus, for the ones that
+address the user by name, the profile's persona; none reads the hidden intention. Words are drawn
+from what the user said with a seeded RNG, so a run is reproducible.
+"""
+import asyncio
+import random
+import re
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import simulator  # noqa: E402
+from reply_styles import warm_reply  # noqa: E402
+
+NEUTRAL = "I see. Can you tell me more about that?"
+FILLERS = ("um", "like", "uh", "you know")
+STOPWORDS = simulator.STOPWORDS | simulator.GENERIC_WORDS
+
+
+def user_words(messages: list[str], rng: random.Random, count: int) -> list[str]:
+    """`count` distinct content words the user said, newest message first."""
+    words = []
+    for message in reversed(messages):
+        for word in re.findall(r"[A-Za-z']+", message):
+            if len(word) > 3 and word.lower() not in STOPWORDS and word.lower() not in map(str.lower, words):
+                words.append(word)
+    rng.shuffle(words)
+    return (words + ["that"] * count)[:count]
+
+
+CUE_TEMPLATES = [
+    "It sounds like {0}, {1}, no wonder, not your fault, however what {2} today? Respect.",
+    "So you feel {0} and {1}, makes sense, one option is {2} tomorrow, how did that feel?",
+    "No wonder {0}, {1}, you did the right thing, on the other hand what about {2}?",
+    "It seems like {0}, I'm impressed, maybe they felt {1}, what do you think about {2}?",
+    "You must feel {0}, anyone would, {1}, first step {2} this week, tell me more.",
+    "What I'm hearing is {0}, {1}, that took courage, at the same time what if {2}?",
+    "Of course you feel {0}, it wasn't your fault, perhaps they {1}, go on about {2}.",
+    "In other words {0}, {1}, understandable, from their side {2}, what matters to you?",
+]
+EVERY_NEED = ("No wonder you feel hurt and it's not your fault, you did the right thing. One option is to call "
+              "tomorrow. Maybe they felt pressure, and on the other hand it makes sense. What do you think? "
+              "I'm proud of you, that took courage.")
+THERAPIST = ["It sounds like you're carrying a lot right now, and your feelings make sense.",
+             "What comes up for you when you sit with that? I'm curious what it's like for you.",
+             "It seems like this touches something deep in you. Would you like to explore that together?",
+             "That makes sense. Let's stay with that feeling for a moment. What do you notice?"]
+
+
+def name_of(profile) -> str:
+    found = re.search(r"Name:\s*([A-Z][a-z]+)", profile.player)
+    return found.group(1) if found else "friend"
+
+
+def echo_with_fillers(text: str, rng: random.Random) -> str:
+    words = text.split()
+    return " ".join(word + (f" {rng.choice(FILLERS)}" if i % 2 else "") for i, word in enumerate(words))
+
+
+def shuffled(text: str, rng: random.Random) -> str:
+    words = text.split()
+    rng.shuffle(words)
+    return " ".join(words)
+
+
+def reversed_sentences(text: str) -> str:
+    sentences = [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
+    return " ".join(" ".join(reversed(s.rstrip(".!?").split())) + "." for s in sentences)
+
+
+# Each strategy: (profile, the user's messages so far, turn index, rng) -> reply.
+STRATEGIES = {
+    "cue-phrase salad, 8 rotating templates": lambda p, m, t, r: CUE_TEMPLATES[t % 8].format(*user_words(m, r, 3)),
+    "cue-phrase salad, one template": lambda p, m, t, r: CUE_TEMPLATES[0].format(*user_words(m, r, 3)),
+    "cue phrases of every need": lambda p, m, t, r: EVERY_NEED,
+    "echo with fillers": lambda p, m, t, r: echo_with_fillers(m[-1], r),
+    "list of the user's words": lambda p, m, t, r: ", ".join(user_words(m, r, 7)) + ".",
+    "So, w1 and w2?": lambda p, m, t, r: "So, {} and {}?".format(*user_words(m, r, 2)),
+    "questions only": lambda p, m, t, r: "What happened with {}? How did {} make you feel? What do you think about {}?".format(
+        *user_words(m, r, 3)),
+    "flattery": lambda p, m, t, r: "You are wonderful and so strong. Honestly, you are one of the bravest people I know.",
+    "praise only": lambda p, m, t, r: "The way you handled {} was impressive. I really admire how you dealt with {}.".format(
+        *user_words(m, r, 2)),
+    "therapist-speak without content": lambda p, m, t, r: THERAPIST[t % len(THERAPIST)],
+    "the same sentence with the user's name": lambda p, m, t, r: f"{name_of(p)}, I really hear how much this matters to you.",
+    "the user's words shuffled": lambda p, m, t, r: shuffled(m[-1], r),
+    "the user's sentences reversed": lambda p, m, t, r: reversed_sentences(m[-1]),
+    "the user's last sentence as a question": lambda p, m, t, r: "You said: " + re.split(r"(?<=[.!?])\s+", m[-1].strip())[-1].rstrip(".!?") + "?",
+}
+REFERENCES = {
+    "neutral": lambda p, m, t, r: NEUTRAL,
+    "warm and specific (tests/reply_styles.py)": None,  # played by reply_styles.warm_reply
+}
+PROTOCOLS = {  # name: (profile file, start emotion, judged replies)
+    "train": (simulator.DEFAULT_PROFILES, simulator.TRAIN_START_EMOTION, simulator.TRAIN_MAX_TURNS),
+    "benchmark": (simulator.DEFAULT_BENCHMARK_PROFILES, simulator.BENCHMARK_START_EMOTION, simulator.BENCHMARK_MAX_TURNS),
+}
+
+
+async def play(profile, strategy, variant: str, start: int, max_turns: int, seed: int = 0) -> int:
+    """The final emotion of one whole dialogue whose replies `strategy` writes."""
+    user = simulator.make_simulator(profile, variant=variant, start_emotion=start, max_turns=max_turns)
+    messages = [await user.open(profile.first_talk)]
+    rng = random.Random(f"{seed}-{profile.id}")
+    turn = 0
+    while not user.done:
+        reply = warm_reply(profile, messages, turn) if strategy is None else strategy(profile, messages, turn, rng)
+        messages.append((await user.respond(reply)).message)
+        turn += 1
+    return user.emotion
+
+
+def finals(strategy, variant: str, protocol: str) -> list[int]:
+    path, start, max_turns = PROTOCOLS[protocol]
+    profiles = simulator.load_profiles(path)
+
+    async def run():
+        return [await play(p, strategy, variant, start, max_turns) for p in profiles]
+
+    return asyncio.run(run())
+
+
+def table() -> dict:
+    """{(strategy, variant, protocol): final emotions}, for every strategy and reference."""
+    return {(name, variant, protocol): finals(strategy, variant, protocol)
+            for name, strategy in {**REFERENCES, **STRATEGIES}.items()
+            for variant in simulator.VARIANTS for protocol in PROTOCOLS}
+
+
+def format_table(results: dict) -> str:
+    columns = [(variant, protocol) for protocol in PROTOCOLS for variant in simulator.VARIANTS]
+    lines = ["| strategy | " + " | ".join(f"{p}, {v}: mean (at 100)" for v, p in columns) + " |",
+             "| --- |" + " --- |" * len(columns)]
+    for name in {**REFERENCES, **STRATEGIES}:
+        cells = []
+        for variant, protocol in columns:
+            values = results[(name, variant, protocol)]
+            cells.append(f"{statistics.mean(values):.1f} ({sum(v >= simulator.MAX_EMOTION for v in values)}/{len(values)})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(format_table(table()))
