@@ -1138,6 +1138,8 @@ class RuleSimulator(Simulator):
         if guessed and shared:
             took_up += f" and {len(guessed)} of my story ({', '.join(sorted(guessed)[:3])})"
         if len(shared) + min(1, len(guessed)) < GROUNDING_WORDS or not shared:  # it could have been said to anyone
+            if self.variant == "vanilla" and shared and self._last_change > 0:  # forgiving: partly about me, once
+                return 0, [("flat", f"barely about my situation: {took_up}", 0)]
             return -5, [("generic", f"nothing about my situation: {took_up}", -5)]
         if self.variant == "vanilla":
             gain = 10 if len(families) >= 2 else 5 if families else 0
@@ -1173,7 +1175,7 @@ class RuleSimulator(Simulator):
             if skeleton and before and len(skeleton & before) / len(skeleton) >= 0.5:
                 found.append(("repeat", "mostly the same as an earlier reply", -5))
                 break
-        own = content_keys(reply_text) - story
+        own = {key for key in content_keys(reply_text) - story if not key.isdigit()}  # invented numbers are no words
         if len(own) < 2 and content_keys(reply_text) & story:
             found.append(("echo", "only my own words back, nothing of yours", -5))
         fillers = FILLERS.findall(reply_text)

@@ -79,6 +79,8 @@ def reversed_sentences(text: str) -> str:
 STRATEGIES = {
     "cue-phrase salad, 8 rotating templates": lambda p, m, t, r: CUE_TEMPLATES[t % 8].format(*user_words(m, r, 3)),
     "cue-phrase salad, one template": lambda p, m, t, r: CUE_TEMPLATES[0].format(*user_words(m, r, 3)),
+    "one short template, the user's words slotted in": lambda p, m, t, r: (
+        "It sounds like {} and the {} in {} left you so hurt. What was that like?".format(*user_words(m, r, 3))),
     "cue phrases of every need": lambda p, m, t, r: EVERY_NEED,
     "echo with fillers": lambda p, m, t, r: echo_with_fillers(m[-1], r),
     "list of the user's words": lambda p, m, t, r: ", ".join(user_words(m, r, 7)) + ".",

@@ -224,7 +224,7 @@ def test_naming_an_untold_part_of_the_story_stands_in_for_one_of_the_users_words
     assert "mother" not in profile.scene.split("## In")[0] and "mother" in " ".join(OWN_WORDS[1:])
     one_word = "You must feel so hurt that Dana did that. No wonder. What was it like?"
     guessed = "You must feel so hurt that Dana did that, with your mother there too. No wonder. What was it like?"
-    assert first_turn(profile, one_word).reasoning.startswith("nothing about my situation")
+    assert first_turn(profile, one_word, variant="challenging").reasoning.startswith("nothing about my situation")
     turn = first_turn(profile, guessed)
     assert turn.change == 10 and "1 of my story (mothe)" in turn.reasoning
 
@@ -240,3 +240,56 @@ def test_you_must_feel_is_empathy_not_a_lecture(make_profile):
     turn = first_turn(make_profile("venting"), "You must feel so hurt that Dana skipped the wedding in Lisbon. "
                                                "No wonder you can't let it go. What was that day like?")
     assert turn.change == 10 and "lectured" not in turn.reasoning
+
+
+@pytest.mark.parametrize("variant", simulator.VARIANTS)
+def test_a_short_template_whose_slots_are_most_of_it_is_still_a_repeat(make_profile, variant):
+    # Three of the user's words slotted into a short frame: the raw word trigrams of the two replies share
+    # under half (0.41), so only the skeleton, the user's words masked, shows the same template (0.65).
+    template = "It sounds like {} and the {} in {} left you so hurt. What was that like?"
+    first, second = turns(make_profile("venting"), [template.format("Dana", "wedding", "Lisbon"),
+                                                     template.format("her photos", "concert", "the morning")],
+                          variant=variant)
+    assert first.change > 0  # grounded and on need the first time
+    assert second.change < 0 and "mostly the same as an earlier reply" in second.reasoning
+
+
+def test_a_number_the_user_gave_counts_as_one_of_their_words(make_profile):
+    profile = make_profile("venting", first_talk="My landlord kept €640 of my deposit for one small stain.")
+    with_number = ("Losing €640 of your deposit must feel so unfair. No wonder you're angry. "
+                   "What was it like to hear that?")
+    without = "Losing your deposit must feel so unfair. No wonder you're angry. What was it like to hear that?"
+    turn = first_turn(profile, with_number)
+    assert turn.change == 10 and "(640, depos)" in turn.reasoning
+    assert first_turn(profile, without, variant="challenging").reasoning.startswith("nothing about my situation")
+
+
+def test_made_up_numbers_do_not_hide_an_echo(make_profile):
+    # Numbers the user never said are no words of the reply's own: the user's words plus invented years
+    # are still only the user's words back.
+    echo = "It sounds like Dana and Lisbon, 2019 and 2020. What was that like?"
+    turn = first_turn(make_profile("venting"), echo)
+    assert turn.change < 0 and "only my own words back" in turn.reasoning
+
+
+@pytest.mark.parametrize("feeling", ["You must be so hurt", "You must have felt so hurt", "You must have been so hurt"])
+def test_you_must_be_and_you_must_have_felt_name_a_feeling_not_a_lecture(make_profile, feeling):
+    turn = first_turn(make_profile("venting"), f"{feeling} that Dana skipped the wedding in Lisbon. "
+                                               "No wonder it stays with you. What was that day like?")
+    assert turn.change == 10 and "lectured" not in turn.reasoning
+
+
+def test_whatever_is_dismissive_only_as_a_brush_off(make_profile):
+    kind = ("Dana skipping the wedding in Lisbon hurt, whatever she tells herself about it. "
+            "No wonder you can't stop thinking about it. What was that day like?")
+    assert "dismissive" not in first_turn(make_profile("venting"), kind).reasoning
+    brush_off = "Whatever. Dana skipped the wedding in Lisbon, it happens to lots of families."
+    assert "dismissive" in first_turn(make_profile("venting"), brush_off).reasoning
+
+
+def test_vanilla_forgives_a_reply_that_takes_up_one_word_once_challenging_never(make_profile):
+    one_word = ["Weddings bring out the worst in families. No wonder you feel so hurt. What was that like?",
+                "Families can be like that at a wedding. It makes sense that you feel so hurt. How are you now?"]
+    first, second = turns(make_profile("venting"), one_word)
+    assert (first.change, second.change) == (0, -5) and first.reasoning.startswith("barely about my situation")
+    assert first_turn(make_profile("venting"), one_word[0], variant="challenging").change == -5
