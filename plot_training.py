@@ -1,11 +1,16 @@
 """Mean final emotion per training step, from runs' transcripts, and whether it went up.
 
     python plot_training.py runs/grpo-demo runs/grpo-demo-think --out docs/grpo_demo.png
+    python plot_training.py --arm "GRPO" runs/grpo-s1 runs/grpo-s2 runs/grpo-s3 \
+        --arm "GRPO, turn credit" runs/grpo-tc-s1 runs/grpo-tc-s2 runs/grpo-tc-s3 --out docs/arms.png
 
 For each run it prints the mean final emotion over the first and the last 20% of steps, each with
 its standard error over those steps' means (a step's dialogues share profiles, so steps, not
-dialogues, are the independent units), and the difference with its standard error. Without
-`--out` the plot is `learning_curve.png` in the first run's folder.
+dialogues, are the independent units), and the difference with its standard error. An `--arm` is
+one setting run with several seeds: it gets a row of its own, the mean over its seeds of each run's
+first, last and difference, each +- the standard error over seeds (the seeds are the independent
+units there), and the plot draws the arm's mean curve over seeds with a band of +- that error.
+Without `--out` the plot is `learning_curve.png` in the first run's folder.
 
 A transcript whose last line was cut short (a run killed while writing it) is plotted without that
 line, with a warning; any other line that is not a transcript row is an error naming file and line.
@@ -68,20 +73,42 @@ def compare_edges(means: dict[int, float]) -> dict:
             "last_se": last_error, "difference": last - first, "difference_se": difference_error}
 
 
-def plot(all_means: dict[Path, dict[int, float]], all_edges: dict[Path, dict], title: str, out: Path) -> None:
+def arm_summary(runs_edges: list[dict]) -> dict:
+    """One arm over its seeds: the mean of its runs' first, last and difference, each with the standard
+    error over the runs."""
+    summary = {"runs": len(runs_edges)}
+    for key in ("first", "last", "difference"):
+        summary[key], summary[f"{key}_se"] = mean_and_error([edges[key] for edges in runs_edges])
+    return summary
+
+
+def arm_curve(runs_means: list[dict[int, float]]) -> tuple[list[int], list[float], list[float]]:
+    """(steps every run has, the mean over runs at each, its standard error over runs)."""
+    steps = sorted(set.intersection(*(set(means) for means in runs_means)))
+    pairs = [mean_and_error([means[step] for means in runs_means]) for step in steps]
+    return steps, [mean for mean, _ in pairs], [error for _, error in pairs]
+
+
+def smooth(values: list[float]) -> list[float]:
+    return [statistics.mean(values[max(0, i - SMOOTHING + 1):i + 1]) for i in range(len(values))]
+
+
+def plot(curves: dict[str, tuple], title: str, out: Path) -> None:
+    """`curves`: label -> (steps, per-step means, their standard errors over seeds or None)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4))
-    for run_dir, means in all_means.items():
-        edges = all_edges[run_dir]
-        steps, values = list(means), list(means.values())
+    for label, (steps, values, errors) in curves.items():
         line, = axes.plot(steps, values, alpha=0.35, linewidth=1)
-        smoothed = [statistics.mean(values[max(0, i - SMOOTHING + 1):i + 1]) for i in range(len(values))]
-        axes.plot(steps, smoothed, color=line.get_color(), linewidth=2,
-                  label=f"{run_dir.name} ({edges['first']:.1f} -> {edges['last']:.1f})")
+        smoothed = smooth(values)
+        axes.plot(steps, smoothed, color=line.get_color(), linewidth=2, label=label)
+        if errors is not None and not any(math.isnan(e) for e in errors):
+            band = smooth(errors)
+            axes.fill_between(steps, [m - e for m, e in zip(smoothed, band)], [m + e for m, e in zip(smoothed, band)],
+                              color=line.get_color(), alpha=0.15, linewidth=0)
     axes.set_xlabel("training step")
     axes.set_ylabel("mean final emotion (0-100)")
     axes.set_title(title)
@@ -94,14 +121,22 @@ def plot(all_means: dict[Path, dict[int, float]], all_edges: dict[Path, dict], t
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, help="output_dir of each run")
+    parser.add_argument("runs", nargs="*", type=Path, help="output_dir of each run")
+    parser.add_argument("--arm", nargs="+", action="append", default=[], metavar=("LABEL", "RUN"),
+                        help="a label and the output_dirs of its seeds (repeat for each arm)")
     parser.add_argument("--out", type=Path, help=f"the PNG file (default: {DEFAULT_PLOT_NAME} in the first run's folder)")
     parser.add_argument("--title", default="Mean final emotion per step")
     args = parser.parse_args(argv)
-    out = args.out or args.runs[0] / DEFAULT_PLOT_NAME
+    if any(len(arm) < 2 for arm in args.arm):
+        parser.error("--arm needs a label and at least one run folder")
+    arms = {arm[0]: [Path(run) for run in arm[1:]] for arm in args.arm}
+    runs = list(args.runs) + [run for arm_runs in arms.values() for run in arm_runs]
+    if not runs:
+        parser.error("give run folders, or --arm LABEL RUN [RUN ...]")
+    out = args.out or runs[0] / DEFAULT_PLOT_NAME
     try:
         # Every run is read, and the plot path checked, before the table is printed or matplotlib loads.
-        all_means = {run_dir: step_means(run_dir) for run_dir in args.runs}
+        all_means = {run_dir: step_means(run_dir) for run_dir in runs}
         simulator.check_output_file(out, "out")
     except simulator.InputError as error:
         sys.exit(f"error: {error}")
@@ -111,7 +146,20 @@ def main(argv=None) -> None:
     for run_dir, edges in all_edges.items():
         print(f"| {run_dir.name} | {edges['steps']} | {edges['first']:.1f} +- {edges['first_se']:.1f} | "
               f"{edges['last']:.1f} +- {edges['last_se']:.1f} | {edges['difference']:+.1f} +- {edges['difference_se']:.1f} |")
-    plot(all_means, all_edges, args.title, out)
+    curves = {f"{run_dir.name} ({edges['first']:.1f} -> {edges['last']:.1f})":
+              (list(all_means[run_dir]), list(all_means[run_dir].values()), None)
+              for run_dir, edges in all_edges.items() if run_dir in args.runs}
+    if arms:
+        print("\n| arm | seeds | first 20% | last 20% | difference |  (+- standard error over seeds)")
+        print("|---|---|---|---|---|")
+    for label, arm_runs in arms.items():
+        summary = arm_summary([all_edges[run_dir] for run_dir in arm_runs])
+        print(f"| {label} | {summary['runs']} | {summary['first']:.1f} +- {summary['first_se']:.1f} | "
+              f"{summary['last']:.1f} +- {summary['last_se']:.1f} | "
+              f"{summary['difference']:+.1f} +- {summary['difference_se']:.1f} |")
+        curves[f"{label}, {len(arm_runs)} seeds ({summary['first']:.1f} -> {summary['last']:.1f})"] = arm_curve(
+            [all_means[run_dir] for run_dir in arm_runs])
+    plot(curves, args.title, out)
     print(f"wrote {out}")
 
 

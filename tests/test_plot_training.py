@@ -1,0 +1,42 @@
+"""plot_training.py: the first/last comparison of one run, and arms averaged over seeds."""
+import pytest
+from test_bad_input_tools import write_run
+from test_report import transcript_row
+
+import plot_training
+
+
+def run_of(folder, finals_per_step):
+    """A run whose step s has one dialogue per final emotion in finals_per_step[s]."""
+    rows = [transcript_row(step, index, [30, final]) for step, finals in enumerate(finals_per_step)
+            for index, final in enumerate(finals)]
+    return write_run(folder, rows)
+
+
+def test_first_and_last_twenty_percent_of_ten_steps_are_two_steps_each():
+    means = {step: float(step) for step in range(10)}
+    edges = plot_training.compare_edges(means)
+    assert (edges["edge_steps"], edges["first"], edges["last"], edges["difference"]) == (2, 0.5, 8.5, 8.0)
+    assert edges["first_se"] == pytest.approx(0.5) and edges["difference_se"] == pytest.approx(0.5 * 2 ** 0.5)
+
+
+def test_an_arm_is_the_mean_over_its_seeds_with_the_standard_error_over_seeds(tmp_path, capsys):
+    # Three-step runs: edges of 2 steps. Seed a: first (30+40)/2 = 35, last (40+50)/2 = 45, +10.
+    # Seed b: first 32.5, last 37.5, +5. Arm: first 33.75 +- 1.25, last 41.25 +- 3.75, +7.5 +- 2.5.
+    seed_a = run_of(tmp_path / "a", [[30], [40], [50]])
+    seed_b = run_of(tmp_path / "b", [[30, 30], [35, 35], [40, 40]])
+    plot_training.main(["--arm", "PPO", str(seed_a), str(seed_b), "--out", str(tmp_path / "arms.png")])
+    out = capsys.readouterr().out
+    assert "| PPO | 2 | 33.8 +- 1.2 | 41.2 +- 3.8 | +7.5 +- 2.5 |" in out
+    assert (tmp_path / "arms.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_arms_curve_averages_the_steps_every_seed_has():
+    steps, means, errors = plot_training.arm_curve([{0: 30.0, 1: 40.0, 2: 50.0}, {0: 20.0, 1: 30.0}])
+    assert steps == [0, 1] and means == [25.0, 35.0] and errors == pytest.approx([5.0, 5.0])
+
+
+def test_an_arm_without_runs_is_refused(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        plot_training.main(["--arm", "PPO"])
+    assert exit_info.value.code == 2
