@@ -473,6 +473,24 @@ class Dialogue:
     def final_emotion(self) -> int:
         return self.simulator.emotion
 
+    @property
+    def turn_changes(self) -> list[int]:
+        """The emotion change each answered policy turn caused (after it minus before it); they sum to the
+        final emotion minus the start. A turn whose simulator failed has none."""
+        before = [self.simulator.start_emotion] + self.emotions[:-1]
+        return [after - prior for after, prior in zip(self.emotions, before)]
+
+    def sampled_turn(self) -> list[int]:
+        """For each completion token, the index of the policy turn that sampled it; -1 for inserted tokens
+        (user turns, template tokens, a forced </think>)."""
+        ends = self.turn_starts[1:] + [len(self.completion_ids)]
+        turn_of = [-1] * len(self.completion_ids)
+        for turn, (start, end) in enumerate(zip(self.turn_starts, ends)):
+            for position in range(start, end):
+                if self.env_mask[position]:
+                    turn_of[position] = turn
+        return turn_of
+
     def context(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
@@ -672,9 +690,10 @@ class DialogueProgress:
 
 def use_all_cpu_cores() -> None:
     """`accelerate launch` sets OMP_NUM_THREADS=1 even for a single CPU process, which halves the
-    demo's speed on 2 cores; one process on a CPU-only machine should use every core."""
+    demo's speed on 2 cores; one process on a CPU-only machine should use every core it may run on
+    (`taskset -c 0 ...` runs two demos side by side, a core each, without their threads competing)."""
     if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -702,6 +721,8 @@ def rollout_output(dialogues: list[Dialogue], with_logprobs: bool) -> dict:
         "reply_tokens": [d.reply_tokens for d in dialogues],
         "simulator_seconds": [d.simulator_seconds for d in dialogues],
         "emotions": [d.emotions for d in dialogues],
+        "turn_changes": [d.turn_changes for d in dialogues],  # for --turn_credit (train_grpo.py)
+        "sampled_turn": [d.sampled_turn() for d in dialogues],
         "failed": [d.failure is not None for d in dialogues],
         "simulator_calls": [asdict(d.simulator.calls) for d in dialogues],
     }

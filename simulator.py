@@ -485,6 +485,7 @@ class Simulator:
             raise ValueError(f"language must be one of {LANGUAGES}, got {self.language!r}")
         self.max_turns = max_turns
         self.change_bound = change_bound
+        self.start_emotion = start_emotion
         self.emotion = start_emotion
         self.turns = 0  # policy replies answered so far
         self.done = False

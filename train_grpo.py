@@ -26,6 +26,14 @@ checks it), and a config file that leaves one out gets a warning naming the demo
 A tracker in `report_to` whose package is missing is refused at start-up, before any model loads, as is
 every other input that can be checked without one (options, --config, output folder, model path, profiles).
 
+Turn-level credit (`--turn_credit`; off by default, the paper rewards the final emotion only): the
+simulated user reports an emotion change after every policy turn. With it on, a token's advantage is its
+dialogue's group-normalised outcome advantage (TRL's) plus `turn_credit_coef` x its turn's change
+compared with its group's changes at the same turn (`turn_terms`), so that a reply that moved the user
+more than the group's replies did at that point is credited for it, and one that lost the user is not
+credited with a recovery a later reply made. `rollout_func` is unchanged: the changes travel in its
+per-row fields, and `DialogueGRPOTrainer` turns them into advantages of shape (rows, tokens).
+
 vLLM (`use_vllm`, generation only; the recipes colocate it with the trainer on every GPU):
 - Importance sampling. vLLM's token probabilities differ slightly from the trainer's, and TRL
   corrects the loss by the ratio trainer/vLLM. TRL's default, `sequence_mask`, multiplies the
@@ -52,9 +60,12 @@ import json
 import os
 import sys
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
+from accelerate.utils import gather_object
 from datasets import Dataset
 from transformers import AutoTokenizer
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
@@ -86,8 +97,33 @@ DEMO_DEFAULTS = dict(
 )
 
 
+@dataclass
+class TurnCreditArguments:
+    """Turn-level credit from the simulated user's per-turn emotion changes (off by default: the paper
+    rewards the final emotion only). See `turn_terms` for what each option does."""
+
+    turn_credit: bool = field(default=False, metadata={
+        "help": "add each policy turn's centred emotion change to the advantage of that turn's tokens"})
+    # Half the weight of the outcome term: the final emotion (the paper's reward, and what the benchmark
+    # scores) stays the larger part of a token's advantage, and a turn that moved the user more than its
+    # group's turns did at that point gets extra credit on top.
+    turn_credit_coef: float = field(default=0.5, metadata={"help": "weight of the turn term (the outcome term has 1)"})
+    # Compared at the same turn: the first reply meets a fresh opening, later ones a user already moved, so
+    # changes differ by position; comparing like with like is what GRPO's group does for whole dialogues.
+    turn_credit_baseline: Literal["turn", "group"] = field(default="turn", metadata={
+        "help": "turn: centre on the group's changes at the same turn; group: on all the group's turns"})
+    # std: unitless, as TRL's default scale_rewards="group" makes the outcome term. bound: a fixed scale
+    # (the change bound), which does not inflate a group whose changes barely differ.
+    turn_credit_scale: Literal["std", "bound"] = field(default="std", metadata={
+        "help": "std: divide by the std of the changes compared; bound: by the simulator's change bound"})
+
+    def __post_init__(self):
+        simulator.check_options(self, turn_credit_coef=simulator.NOT_NEGATIVE)
+
+
 def make_parser() -> TrlParser:
-    parser = TrlParser((rollout.DialogueArguments, simulator.SimulatorArguments, GRPOConfig, ModelConfig))
+    parser = TrlParser((rollout.DialogueArguments, simulator.SimulatorArguments, TurnCreditArguments, GRPOConfig,
+                        ModelConfig))
     parser.set_defaults(**DEMO_DEFAULTS)
     return parser
 
@@ -103,14 +139,15 @@ def config_file(argv: list[str]) -> str | None:
 
 
 def parse_arguments(argv: list[str] | None = None):
-    """(dialogue, simulator, training, model) arguments: DEMO_DEFAULTS, then the --config YAML, then flags."""
+    """(dialogue, simulator, turn credit, training, model) arguments: DEMO_DEFAULTS, then the --config YAML,
+    then flags."""
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser()
     try:
         path = config_file(argv)
         if path is not None:  # its faults by file:line, before TrlParser reads it
             simulator.read_config(path, parser, extra_keys=("env",))
-        dialogue_args, simulator_args, training_args, model_args = parser.parse_args_and_config(argv)
+        dialogue_args, simulator_args, credit_args, training_args, model_args = parser.parse_args_and_config(argv)
         # TRL's dataclasses are not ours: check them here, or inf, nan or a negative temperature would
         # fail only after the model loaded (or train on nonsense).
         simulator.check_options(training_args, temperature=simulator.POSITIVE)
@@ -121,7 +158,7 @@ def parse_arguments(argv: list[str] | None = None):
         raise
     except ValueError as error:  # TRL's own checks (num_generations not dividing the batch) and unknown flags
         parser.error(str(error))
-    return dialogue_args, simulator_args, training_args, model_args
+    return dialogue_args, simulator_args, credit_args, training_args, model_args
 
 
 def demo_defaults_kept(argv: list[str]) -> dict:
@@ -216,13 +253,75 @@ def importance_ratios_cut(ratio: torch.Tensor, trained: torch.Tensor, args: GRPO
     return (cut & trained).sum(), trained.sum()
 
 
+def turn_terms(turn_changes: list[list[int]], failed: list[bool], group_size: int, baseline: str, scale: str,
+               change_bound: int) -> list[list[float]]:
+    """The turn-level term of each policy turn of each row, before its coefficient. Rows come in groups of
+    `group_size` dialogues of one profile, as TRL's sampler lays them out (and normalises their outcomes).
+    A turn's emotion change is centred on the group's changes at the same turn (baseline "turn") or on all
+    the group's turns ("group"), and divided by the sample standard deviation of those changes (scale
+    "std", as TRL scales outcomes) or by the change bound ("bound"). A dialogue whose simulator failed gets
+    no term and is left out of its group's statistics; a change compared with nothing else (the only
+    dialogue of its group to reach that turn) gets 0."""
+    terms = [[0.0] * len(changes) for changes in turn_changes]
+    for first in range(0, len(turn_changes), group_size):
+        scored = [row for row in range(first, first + group_size) if not failed[row]]
+        if baseline == "group":
+            pools = [[(row, turn) for row in scored for turn in range(len(turn_changes[row]))]]
+        else:
+            longest = max((len(turn_changes[row]) for row in scored), default=0)
+            pools = [[(row, turn) for row in scored if turn < len(turn_changes[row])] for turn in range(longest)]
+        for pool in pools:
+            if len(pool) < 2:
+                continue
+            changes = torch.tensor([float(turn_changes[row][turn]) for row, turn in pool], dtype=torch.float64)
+            spread = changes.std() + 1e-4 if scale == "std" else float(change_bound)  # 1e-4: TRL's, for equal changes
+            for (row, turn), term in zip(pool, ((changes - changes.mean()) / spread).tolist()):
+                terms[row][turn] = term
+    return terms
+
+
+def token_advantages(outcome: torch.Tensor, terms: list[list[float]], sampled_turn: list[list[int]], width: int,
+                     coef: float) -> torch.Tensor:
+    """(rows, width) advantages: each row's outcome advantage on every token, plus coef x its turn's term on
+    the tokens that turn sampled (`sampled_turn`: a token's turn, -1 where inserted; the loss masks those and
+    the padding anyway, but they get no turn term)."""
+    per_token = torch.zeros(len(terms), width, dtype=torch.float64)
+    for row, (row_terms, turn_of) in enumerate(zip(terms, sampled_turn)):
+        lookup = torch.tensor(row_terms + [0.0], dtype=torch.float64)  # index -1: inserted tokens
+        per_token[row, :len(turn_of)] = lookup[torch.tensor(turn_of, dtype=torch.long)]
+    return outcome.unsqueeze(1) + (coef * per_token).to(outcome.dtype).to(outcome.device)
+
+
 class DialogueGRPOTrainer(GRPOTrainer):
-    """TRL's GRPOTrainer plus one metric it lacks: `sampling/importance_sampling_ratio/clipped_share`, the
-    share of trained tokens (all ranks) whose vLLM importance ratio was clipped or zeroed. TRL logs only
-    the ratio's min, mean and max, which cannot tell one clipped token from half the batch."""
+    """TRL's GRPOTrainer plus:
+    - with `turn_credit` on, token-level advantages: TRL's group-normalised outcome advantage of the dialogue
+      plus `turn_credit_coef` x the turn term (`turn_terms`) on each policy turn's sampled tokens. TRL 1.16's
+      loss takes advantages of shape (rows, tokens) as they are (it unsqueezes only 1-D ones). Off, the
+      batch is TRL's, untouched.
+    - one metric TRL lacks: `sampling/importance_sampling_ratio/clipped_share`, the share of trained tokens
+      (all ranks) whose vLLM importance ratio was clipped or zeroed. TRL logs only the ratio's min, mean and
+      max, which cannot tell one clipped token from half the batch."""
+
+    def __init__(self, *args, turn_credit: TurnCreditArguments, change_bound: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.turn_credit, self.change_bound = turn_credit, change_bound
 
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)
+        if self.turn_credit.turn_credit:
+            # TRL has merged the rollout's per-row fields into `inputs`; groups may span ranks, as for the
+            # outcome, so the terms are computed over every rank's rows and this rank's are taken.
+            rows = gather_object([(row["turn_changes"], row["failed"]) for row in inputs])
+            terms = turn_terms([changes for changes, _ in rows], [lost for _, lost in rows], self.num_generations,
+                               self.turn_credit.turn_credit_baseline, self.turn_credit.turn_credit_scale,
+                               self.change_bound)
+            first = self.accelerator.process_index * len(inputs)
+            batch["advantages"] = token_advantages(batch["advantages"], terms[first:first + len(inputs)],
+                                                   [row["sampled_turn"] for row in inputs],
+                                                   batch["completion_ids"].shape[1], self.turn_credit.turn_credit_coef)
+            weighted = [self.turn_credit.turn_credit_coef * abs(term) for row_terms in terms for term in row_terms]
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["turn_credit/mean_abs_term"].append(sum(weighted) / max(len(weighted), 1))
         if "importance_sampling_ratio" in batch:  # use_vllm with the correction on
             trained = batch["completion_mask"] * batch.get("tool_mask", 1)  # tool_mask: the rollout's env_mask
             counts = torch.stack(importance_ratios_cut(batch["importance_sampling_ratio"], trained, self.args))
@@ -235,7 +334,7 @@ class DialogueGRPOTrainer(GRPOTrainer):
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     rollout.use_all_cpu_cores()
-    dialogue_args, simulator_args, training_args, model_args = parse_arguments(argv)
+    dialogue_args, simulator_args, credit_args, training_args, model_args = parse_arguments(argv)
     if dialogue_args.think and training_args.output_dir == DEMO_DEFAULTS["output_dir"]:
         training_args.output_dir += "-think"  # the two demo runs side by side
     check_setup(argv, training_args)  # before anything slow
@@ -283,6 +382,8 @@ def main(argv: list[str] | None = None) -> None:
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         rollout_func=rollout_func,
+        turn_credit=credit_args,
+        change_bound=simulator_args.change_bound,
     )
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

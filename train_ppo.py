@@ -14,7 +14,15 @@ One step:
    minibatch of one micro-batch per batch, makes one forward pass per network per step.
 3. Reward: final emotion / 100 (minus the optional format penalty), placed on the last token the
    policy sampled; with kl_coef > 0, minus kl_coef * (logp - ref_logp) on every action (a frozen
-   reference is loaded only then; the paper used none).
+   reference is loaded only then; the paper used none). With `--turn_credit`, each policy turn's
+   emotion change / 100 is placed on that turn's last sampled token instead (the format penalty on the
+   last turn's). The changes sum to (final - start) / 100, so with gamma = lambda = 1 a token of turn k
+   has the return (final - emotion before turn k) / 100 instead of final / 100. What does not change:
+   under a critic that knew the emotion so far (it is in the state) the advantages would be the same,
+   and the whitened constant start / 100 is nothing. What changes: the part of the return earned before
+   turn k, which turn k could not affect, is no longer left for the critic to learn or, until it has,
+   carried as noise in turn k's advantage; a first reply that lost the user is no longer credited with
+   the recovery a later reply made. With gamma < 1, later turns' changes are discounted per token.
 4. GAE over the policy's actions only: the actions of a dialogue, in order, form one chain.
    Inserted tokens (user turns) are not actions: they get no advantage, and the bootstrap runs from
    the last action of one turn to the first action of the next across them. gamma = lambda = 1.
@@ -143,6 +151,8 @@ class PPOArguments:
     vllm_server_port: int = 8000
     per_turn_rows: bool = field(default=False, metadata={
         "help": "the paper's layout: each policy turn its own row, earlier thoughts dropped from its context"})
+    turn_credit: bool = field(default=False, metadata={
+        "help": "reward each policy turn with its emotion change / 100 on its last token (paper: the final emotion once)"})
 
     def __post_init__(self):
         if self.micro_batch_size is None:
@@ -268,14 +278,38 @@ def per_turn_rows(dialogue) -> list[tuple[list[int], list[int]]]:
     return rows
 
 
-def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, device) -> dict:
-    """Right-padded ids, attention mask and float action mask from (ids, action mask) rows, on `device`."""
-    width = max(len(ids) for ids, _ in rows)
-    padding = [width - len(ids) for ids, _ in rows]
-    return {"input_ids": torch.tensor([ids + [pad_id] * pad for (ids, _), pad in zip(rows, padding)], device=device),
-            "attention_mask": torch.tensor([[1] * len(ids) + [0] * pad for (ids, _), pad in zip(rows, padding)],
+def turn_rewards(dialogue, final_reward: float, turn_credit: bool) -> list[float]:
+    """What each policy turn of a scored dialogue earns: the final reward on its last turn only (the paper),
+    or with `turn_credit` each turn's emotion change / 100, the format penalty (if any) on the last turn."""
+    if not turn_credit:
+        return [0.0] * (len(dialogue.turn_starts) - 1) + [final_reward]
+    rewards = [change / simulator.MAX_EMOTION for change in dialogue.turn_changes]
+    rewards[-1] -= dialogue.final_emotion / simulator.MAX_EMOTION - final_reward
+    return rewards
+
+
+def dialogue_rows(dialogue, rewards: list[float], per_turn: bool) -> list[tuple[list[int], list[int], dict]]:
+    """The rows of one scored dialogue: (ids, action mask, {position: reward}). One whole-dialogue row gets
+    each turn's reward on the last token that turn sampled. Per-turn rows (the paper's layout) end at their
+    turn's last sampled token, where each gets its turn's return: its reward and every later turn's (the
+    dialogue's reward in every row without turn credit)."""
+    if per_turn:
+        return [(ids, mask, {len(ids) - 1: sum(rewards[turn:])})
+                for turn, (ids, mask) in enumerate(per_turn_rows(dialogue))]
+    ids, mask = dialogue_row(dialogue)
+    last_token = {turn: len(dialogue.prompt_ids) + position  # the dict keeps each turn's last position
+                  for position, turn in enumerate(dialogue.sampled_turn()) if turn >= 0}
+    return [(ids, mask, {last_token[turn]: reward for turn, reward in enumerate(rewards)})]
+
+
+def pad_batch(rows: list[tuple], pad_id: int, device) -> dict:
+    """Right-padded ids, attention mask and float action mask from (ids, action mask, ...) rows, on `device`."""
+    width = max(len(row[0]) for row in rows)
+    padding = [width - len(row[0]) for row in rows]
+    return {"input_ids": torch.tensor([row[0] + [pad_id] * pad for row, pad in zip(rows, padding)], device=device),
+            "attention_mask": torch.tensor([[1] * len(row[0]) + [0] * pad for row, pad in zip(rows, padding)],
                                            device=device),
-            "action_mask": torch.tensor([mask + [0] * pad for (_, mask), pad in zip(rows, padding)],
+            "action_mask": torch.tensor([row[1] + [0] * pad for row, pad in zip(rows, padding)],
                                         dtype=torch.float, device=device)}
 
 
@@ -354,13 +388,14 @@ def old_logprobs_and_values(model, batch: dict, order: list[int], temperature: f
     return old_logprobs, old_values * batch["action_mask"], first
 
 
-def place_rewards(action_mask, final_rewards, logprobs=None, ref_logprobs=None, kl_coef: float = 0.0):
-    """Final reward on the last action of each row; minus kl_coef * (logp - ref_logp) on every action."""
+def place_rewards(action_mask, rewards_at: list[dict], logprobs=None, ref_logprobs=None, kl_coef: float = 0.0):
+    """Each row's rewards at their positions ({position: reward}, from dialogue_rows); minus
+    kl_coef * (logp - ref_logp) on every action."""
+    index = lambda values: torch.tensor(values, dtype=torch.long, device=action_mask.device)  # noqa: E731
     rewards = torch.zeros_like(action_mask)
-    positions = torch.arange(action_mask.size(1), device=action_mask.device).expand_as(action_mask)
-    last_action = (positions * action_mask).argmax(dim=1)
-    rows = torch.arange(len(rewards), device=rewards.device)
-    rewards[rows, last_action] = torch.as_tensor(final_rewards, dtype=rewards.dtype, device=rewards.device)
+    rewards[index([row for row, placed in enumerate(rewards_at) for _ in placed]),
+            index([position for placed in rewards_at for position in placed])] = torch.tensor(
+        [reward for placed in rewards_at for reward in placed.values()], dtype=rewards.dtype, device=rewards.device)
     if kl_coef > 0:
         rewards -= kl_coef * (logprobs - ref_logprobs) * action_mask
     return rewards
@@ -646,15 +681,13 @@ def main(argv=None) -> None:
                 saved = f"{folder} holds the state before it; continue with --resume" if step > 0 else "nothing to save yet"
                 raise SystemExit(f"stopped at step {step} ({saved}): {error}") from None
 
-            # 2-4. Old log-probs and values, rewards on the last action, GAE over actions.
+            # 2-4. Old log-probs and values, rewards on the last action (of each turn, with turn credit), GAE over actions.
             scored = [d for d in dialogues if d.failure is None]  # a failed simulator left no score: no rows
             rewards_by_dialogue = [rollout.reward(d.final_emotion, d.format_violations, config.format_penalty)
                                    for d in scored]
-            rows, final_rewards = [], []
-            for dialogue, dialogue_reward in zip(scored, rewards_by_dialogue):
-                dialogue_rows = per_turn_rows(dialogue) if args.per_turn_rows else [dialogue_row(dialogue)]
-                rows += dialogue_rows
-                final_rewards += [dialogue_reward] * len(dialogue_rows)  # the rows of a dialogue share its reward
+            rows = [row for dialogue, dialogue_reward in zip(scored, rewards_by_dialogue)
+                    for row in dialogue_rows(dialogue, turn_rewards(dialogue, dialogue_reward, args.turn_credit),
+                                             args.per_turn_rows)]
             batch = pad_batch(rows, pad_id, accelerator.device)
             orders = [torch.randperm(len(rows)).tolist() for _ in range(args.ppo_epochs)]
             old_logprobs, old_values, first_forward = old_logprobs_and_values(
@@ -664,7 +697,8 @@ def main(argv=None) -> None:
                 with torch.no_grad():
                     ref_logprobs, _ = token_logprobs(reference, batch["input_ids"], batch["attention_mask"],
                                                      batch["action_mask"], args.temperature)
-            rewards = place_rewards(batch["action_mask"], final_rewards, old_logprobs, ref_logprobs, args.kl_coef)
+            rewards = place_rewards(batch["action_mask"], [row[2] for row in rows], old_logprobs, ref_logprobs,
+                                    args.kl_coef)
             advantages, returns = masked_gae(rewards, old_values, batch["action_mask"], args.gamma, args.lam)
             batch.update(old_logprobs=old_logprobs, old_values=old_values, returns=returns,
                          advantages=whiten(advantages, batch["action_mask"]))

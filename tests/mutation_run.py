@@ -39,7 +39,15 @@ TARGETS = [
     ("train_ppo.py", "whiten", [PPO, "-k", "blank_critic or whiten"]),
     ("train_ppo.py", "masked_mean", [PPO, "-k", "masked_mean or mean_over or masked_tokens or policy_loss_is "
                                                 "or value_loss_is"]),
-    ("train_ppo.py", "place_rewards", [PPO, "-k", "reward_lands or kl_penalty"]),
+    ("train_ppo.py", "place_rewards", [PPO, "tests/test_turn_credit.py", "-k", "rewards_land or kl_penalty or lands_on "
+                                                                                "or puts_each or format_penalty"]),
+    ("train_ppo.py", "turn_rewards", ["tests/test_turn_credit.py", "-k", "lands_on or puts_each or format_penalty "
+                                                                       "or return"]),
+    ("train_ppo.py", "dialogue_rows", ["tests/test_turn_credit.py", "-k", "lands_on or puts_each or return"]),
+    ("train_grpo.py", "turn_terms", ["tests/test_turn_credit.py", "-k", "turn_terms or no_other or group_baseline"]),
+    ("train_grpo.py", "token_advantages", ["tests/test_turn_credit.py", "-k", "token_advantages"]),
+    ("rollout.py", "Dialogue.turn_changes", ["tests/test_turn_credit.py", "-k", "turn_changes or return"]),
+    ("rollout.py", "Dialogue.sampled_turn", ["tests/test_turn_credit.py", "-k", "sampled_turn or lands_on or puts_each"]),
     ("train_ppo.py", "state_values", [PPO, "-k", "value_of_an_action or old_values_are"]),
     ("rollout.py", "reward", [ROLLOUT, "-k", "reward_is_final"]),
     ("rollout.py", "dialogue_metrics", [ROLLOUT, "tests/test_train_grpo.py", "-k", "metrics or reward_reads"]),

@@ -27,7 +27,7 @@ def processes(accelerate_config: str) -> int:
 
 
 def grpo_arguments(recipe: Path):
-    """(dialogue, simulator, training, model) arguments of `accelerate launch train_grpo.py --config recipe`."""
+    """(dialogue, simulator, turn credit, training, model) arguments of `accelerate launch train_grpo.py --config recipe`."""
     return train_grpo.parse_arguments(["--config", str(recipe), "--bf16", "false"])
 
 
@@ -48,14 +48,14 @@ def test_a_grpo_recipe_states_every_demo_default_so_none_leaks_in(recipe):
 
 @pytest.mark.parametrize("recipe", GRPO_RECIPES, ids=lambda r: r.name)
 def test_a_grpo_recipe_saves_a_checkpoint_every_100_steps(recipe):
-    _, _, training_args, _ = grpo_arguments(recipe)
+    _, _, _, training_args, _ = grpo_arguments(recipe)
     assert (training_args.save_strategy, training_args.save_steps) == ("steps", 100)
     assert training_args.output_dir.startswith("runs/grpo-qwen2.5-7b")
 
 
 @pytest.mark.parametrize("recipe", GRPO_RECIPES, ids=lambda r: r.name)
 def test_a_grpo_recipe_holds_the_papers_values(recipe):
-    dialogue_args, simulator_args, training_args, model_args = grpo_arguments(recipe)
+    dialogue_args, simulator_args, _, training_args, model_args = grpo_arguments(recipe)
     assert model_args.model_name_or_path == "Qwen/Qwen2.5-7B-Instruct" and model_args.dtype == "bfloat16"
     assert model_args.use_peft is False  # a full fine-tune, not the demo's LoRA
     assert training_args.learning_rate == 1e-6
@@ -74,7 +74,7 @@ def test_a_grpo_recipe_holds_the_papers_values(recipe):
 
 @pytest.mark.parametrize("recipe", GRPO_RECIPES, ids=lambda r: r.name)
 def test_a_grpo_recipe_trains_one_dialogue_at_a_time_and_32_per_optimizer_step_from_one_rollout(recipe):
-    _, _, training_args, _ = grpo_arguments(recipe)
+    _, _, _, training_args, _ = grpo_arguments(recipe)
     assert training_args.per_device_train_batch_size == 1  # activations of one dialogue (recipe header)
     per_step = training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
     assert per_step * processes("zero3.yaml") == DIALOGUES_PER_STEP
@@ -84,7 +84,7 @@ def test_a_grpo_recipe_trains_one_dialogue_at_a_time_and_32_per_optimizer_step_f
 
 @pytest.mark.parametrize("recipe", GRPO_RECIPES, ids=lambda r: r.name)
 def test_a_grpo_recipe_colocates_vllm_sized_to_its_dialogues_without_sleep_mode(recipe):
-    dialogue_args, _, training_args, _ = grpo_arguments(recipe)
+    dialogue_args, _, _, training_args, _ = grpo_arguments(recipe)
     assert training_args.use_vllm and training_args.vllm_mode == "colocate"
     assert training_args.vllm_max_model_length == dialogue_args.max_dialogue_tokens == 16384
     assert training_args.vllm_enable_sleep_mode is False
@@ -92,14 +92,14 @@ def test_a_grpo_recipe_colocates_vllm_sized_to_its_dialogues_without_sleep_mode(
 
 @pytest.mark.parametrize("recipe", GRPO_RECIPES, ids=lambda r: r.name)
 def test_a_grpo_recipe_caps_importance_ratios_per_token_instead_of_dropping_dialogues(recipe):
-    _, _, training_args, _ = grpo_arguments(recipe)
+    _, _, _, training_args, _ = grpo_arguments(recipe)
     assert training_args.vllm_importance_sampling_correction is True
     assert training_args.vllm_importance_sampling_mode == "token_truncate"
     assert training_args.vllm_importance_sampling_clip_max == 3.0
 
 
 def test_without_a_config_the_cli_demo_keeps_its_defaults():
-    dialogue_args, simulator_args, training_args, model_args = train_grpo.parse_arguments([])
+    dialogue_args, simulator_args, _, training_args, model_args = train_grpo.parse_arguments([])
     assert model_args.use_peft is True and (model_args.lora_r, model_args.lora_alpha) == (16, 32)
     assert training_args.learning_rate == 1e-3 and training_args.lr_scheduler_type == "constant"
     assert training_args.save_strategy == "no" and training_args.gradient_checkpointing is False
@@ -116,7 +116,7 @@ def test_a_config_that_leaves_out_demo_keys_is_warned_about_by_name(tmp_path):
     kept = train_grpo.demo_defaults_kept(argv)
     assert "learning_rate" not in kept and "save_strategy" not in kept  # set by the YAML, by a flag
     assert kept["use_peft"] is True and kept["lr_scheduler_type"] == "constant"
-    _, _, training_args, _ = train_grpo.parse_arguments(argv)
+    _, _, _, training_args, _ = train_grpo.parse_arguments(argv)
     with pytest.warns(UserWarning, match=r"mine.yaml leaves the offline demo's values in force: .*use_peft=True"):
         train_grpo.check_setup(argv, training_args)
 
@@ -144,13 +144,13 @@ def test_only_known_trackers_that_are_not_installed_count_as_missing():
 
 def test_vllm_sleep_mode_is_warned_about_because_every_turn_would_resync_all_weights():
     argv = ["--use_vllm", "true", "--vllm_enable_sleep_mode", "true", "--bf16", "false"]
-    _, _, training_args, _ = train_grpo.parse_arguments(argv)
+    _, _, _, training_args, _ = train_grpo.parse_arguments(argv)
     with pytest.warns(UserWarning, match="full weight sync"):
         train_grpo.check_setup(argv, training_args)
 
 
 def importance_args(mode: str, clip_max: float | None = 3.0, clip_min: float | None = None):
-    _, _, training_args, _ = train_grpo.parse_arguments(["--vllm_importance_sampling_mode", mode])
+    _, _, _, training_args, _ = train_grpo.parse_arguments(["--vllm_importance_sampling_mode", mode])
     training_args.vllm_importance_sampling_clip_max = clip_max
     training_args.vllm_importance_sampling_clip_min = clip_min
     return training_args
@@ -220,3 +220,19 @@ def test_a_ppo_recipe_holds_the_papers_values(recipe):
     assert args.save_steps == 50 and args.report_to == "trackio"
     assert dialogue_args.max_turns == 8 and dialogue_args.max_dialogue_tokens == 16384
     assert dialogue_args.think == ("think" in recipe.name) and simulator_args.backend == "llm"
+
+
+@pytest.mark.parametrize("recipe", GRPO_RECIPES + PPO_RECIPES, ids=lambda r: r.name)
+def test_a_recipe_leaves_turn_credit_off_and_its_commented_block_turns_it_on(recipe, tmp_path):
+    """Off as written (the paper's reward); the commented lines, uncommented, parse and switch it on."""
+    lines = recipe.read_text().splitlines()
+    block = [line for line in lines if line.startswith("# turn_credit")]
+    assert block, "the recipe carries the commented turn_credit option"
+    uncommented = tmp_path / recipe.name
+    uncommented.write_text("\n".join(line[2:] if line in block else line for line in lines) + "\n")
+    if recipe in GRPO_RECIPES:
+        written, tried = (grpo_arguments(path)[2] for path in (recipe, uncommented))
+        assert (tried.turn_credit_coef, tried.turn_credit_baseline, tried.turn_credit_scale) == (0.5, "turn", "std")
+    else:
+        written, tried = (train_ppo.parse_arguments(["--config", str(path)])[0] for path in (recipe, uncommented))
+    assert written.turn_credit is False and tried.turn_credit is True

@@ -40,7 +40,7 @@ def test_a_dialogue_whose_simulator_failed_gets_no_reward_so_trl_gives_it_zero_a
 def test_paper_recipes_are_read_with_the_demo_defaults_underneath_and_leave_none_in_force():
     """The recipes' full checks are in test_recipes.py; this one pins that the script's own parser is used."""
     for recipe in sorted((REPO / "recipes").glob("grpo_*.yaml")):
-        dialogue_args, _, training_args, model_args = train_grpo.parse_arguments(
+        dialogue_args, _, _, training_args, model_args = train_grpo.parse_arguments(
             ["--config", str(recipe), "--bf16", "false"])
         assert model_args.use_peft is False and training_args.save_strategy == "steps"
         assert (training_args.learning_rate, training_args.beta, training_args.num_generations) == (1e-6, 0.0, 4)

@@ -20,17 +20,18 @@ MASK = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0],
                      [0, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.float)
 VALUES = torch.tensor([[9.0, 0.1, 0.2, 5.0, 5.0, 0.3, 0.4, 9.0],  # 9s and 5s sit on non-actions
                        [9.0, 0.5, 0.6, 9.0, 9.0, 9.0, 9.0, 9.0]])
+FINAL_REWARDS = [{6: 1.0}, {2: 0.3}]  # each row's reward on its last action, as dialogue_rows places it
 
 
-def test_reward_lands_on_the_last_token_the_policy_sampled():
-    rewards = place_rewards(MASK, [1.0, 0.3])
+def test_rewards_land_at_their_positions_and_nowhere_else():
+    rewards = place_rewards(MASK, [{2: 0.25, 6: 1.0}, {2: 0.3}])
     expected = torch.zeros_like(MASK)
-    expected[0, 6], expected[1, 2] = 1.0, 0.3
+    expected[0, 2], expected[0, 6], expected[1, 2] = 0.25, 1.0, 0.3
     assert torch.equal(rewards, expected)
 
 
 def test_gae_with_gamma_and_lambda_one_matches_the_hand_computation():
-    advantages, returns = masked_gae(place_rewards(MASK, [1.0, 0.3]), VALUES, MASK, gamma=1.0, lam=1.0)
+    advantages, returns = masked_gae(place_rewards(MASK, FINAL_REWARDS), VALUES, MASK, gamma=1.0, lam=1.0)
     # Row 0: A4 = 1 - 0.4; A3 = 0.4 - 0.3 + A4; A2 = 0.3 - 0.2 + A3 (bootstrapping across the user turn); A1 = 0.2 - 0.1 + A2.
     assert advantages[0].tolist() == pytest.approx([0, 0.9, 0.8, 0, 0, 0.7, 0.6, 0])
     # Row 1 ended early: its chain stops at its own last action, with nothing after it.
@@ -39,7 +40,7 @@ def test_gae_with_gamma_and_lambda_one_matches_the_hand_computation():
 
 
 def test_gae_with_discounting_matches_the_hand_computation():
-    advantages, _ = masked_gae(place_rewards(MASK, [1.0, 0.3]), VALUES, MASK, gamma=0.9, lam=0.8)
+    advantages, _ = masked_gae(place_rewards(MASK, FINAL_REWARDS), VALUES, MASK, gamma=0.9, lam=0.8)
     a4 = 1 - 0.4
     a3 = (0.9 * 0.4 - 0.3) + 0.72 * a4
     a2 = (0.9 * 0.3 - 0.2) + 0.72 * a3
@@ -50,8 +51,8 @@ def test_gae_with_discounting_matches_the_hand_computation():
 def test_values_on_user_tokens_do_not_change_the_advantages():
     noisy = VALUES.clone()
     noisy[0, 3:5] = -100.0
-    assert torch.equal(masked_gae(place_rewards(MASK, [1.0, 0.3]), VALUES, MASK, 1.0, 1.0)[0],
-                       masked_gae(place_rewards(MASK, [1.0, 0.3]), noisy, MASK, 1.0, 1.0)[0])
+    assert torch.equal(masked_gae(place_rewards(MASK, FINAL_REWARDS), VALUES, MASK, 1.0, 1.0)[0],
+                       masked_gae(place_rewards(MASK, FINAL_REWARDS), noisy, MASK, 1.0, 1.0)[0])
 
 
 def test_masked_tokens_contribute_nothing_to_either_loss():
@@ -143,7 +144,7 @@ def test_kl_penalty_is_taken_off_every_action_and_only_actions():
                              [-7.0, -1.0, -1.0, -7.0, -7.0, -7.0, -7.0, -7.0]])
     ref_logprobs = torch.tensor([[-1.0, -1.5, -1.0, -1.0, -1.0, -0.5, -2.5, -1.0],  # logp - ref: .5, -1, 0, 1
                                  [-1.0, -3.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0]])  # logp - ref: 2, 0
-    rewards = place_rewards(MASK, [1.0, 0.3], logprobs, ref_logprobs, kl_coef=0.1)
+    rewards = place_rewards(MASK, FINAL_REWARDS, logprobs, ref_logprobs, kl_coef=0.1)
     assert rewards[0].tolist() == pytest.approx([0, -0.05, 0.1, 0, 0, 0, 1.0 - 0.1, 0])
     assert rewards[1].tolist() == pytest.approx([0, -0.2, 0.3, 0, 0, 0, 0, 0])
 
@@ -283,7 +284,8 @@ def test_with_a_blank_critic_the_first_update_is_grpos_with_one_group(tiny_model
     rows = [(torch.randint(0, 1000, (p + a,)).tolist(), [0] * p + [1] * a) for p, a in lengths]
     batch = train_ppo.pad_batch(rows, pad_id=0, device="cpu")
     mask, rewards = batch["action_mask"], torch.tensor([0.30, 0.35, 0.40, 0.30])
-    advantages, _ = masked_gae(place_rewards(mask, rewards.tolist()), torch.zeros_like(mask), mask, 1.0, 1.0)
+    on_last_action = [{p + a - 1: reward} for (p, a), reward in zip(lengths, rewards.tolist())]
+    advantages, _ = masked_gae(place_rewards(mask, on_last_action), torch.zeros_like(mask), mask, 1.0, 1.0)
     advantages = train_ppo.whiten(advantages, mask)
     logprobs, _ = train_ppo.token_logprobs(model, batch["input_ids"], batch["attention_mask"], mask, 1.0)
     params = list(model.parameters())
