@@ -157,7 +157,9 @@ def parse_arguments(argv: list[str] | None = None):
     except simulator.InputError:  # a bad --config file: one line naming it, exit 1, no usage
         raise
     except ValueError as error:  # TRL's own checks (num_generations not dividing the batch) and unknown flags
-        parser.error(str(error))
+        hint = ("; choose --num_generations dividing it, or change --per_device_train_batch_size"
+                if "divisible by num_generations" in str(error) else "")
+        parser.error(str(error).rstrip(".") + hint)
     return dialogue_args, simulator_args, credit_args, training_args, model_args
 
 

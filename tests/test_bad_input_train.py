@@ -105,7 +105,8 @@ def test_an_option_out_of_range_or_not_finite_is_refused_at_parsing(trainer, arg
 
 def test_grpo_num_generations_not_dividing_the_batch_is_a_usage_error_not_a_traceback(capsys):
     last = stopped_at_parsing("grpo", ["--num_generations", "3"], capsys)
-    assert last.endswith("error: generation_batch_size (8) must be divisible by num_generations (3).")
+    assert last.endswith("error: generation_batch_size (8) must be divisible by num_generations (3); choose "
+                         "--num_generations dividing it, or change --per_device_train_batch_size")
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)
