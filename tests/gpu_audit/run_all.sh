@@ -110,7 +110,7 @@ rows = [json.loads(l) for l in open('server.log')]
 fin = [r for r in rows if r['event'] == 'finish_weight_update']
 print('   weight-update sessions (start..finish) for 2 pushes of a 20-tensor model:', len(fin))
 print('   names rejected:', [r for r in rows if r['event'] == 'update_weights_rejected'])
-print('   fused layers left partially loaded after the last push (vLLM's layerwise-reload rule):', fin[-1]['corrupted_fused_layers'])
+print('   fused layers left partially loaded after the last push (the layerwise-reload rule of vLLM):', fin[-1]['corrupted_fused_layers'])
 c = [json.loads(l) for l in open('client.log') if json.loads(l)['event'] == 'generate_call']
 print('   generate calls:', len(c), 'all own:', all(v == 'own' for r in c for v in r['verdicts']), 'logprobs aligned:', all(r['logprobs_ok'] for r in c))"
 
