@@ -121,3 +121,21 @@ def tiny_model_dir(packaged_model, tmp_path_factory):
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def play_think_dialogue(model_dir, max_turns: int = 3):
+    """(one think-mode dialogue a tiny sampling policy plays against the rule user, its tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    import rollout
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    generate = rollout.TransformersGenerator(model, tokenizer, GenerationConfig(
+        do_sample=True, top_k=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    runner = rollout.DialogueRunner(tokenizer, rollout.RolloutConfig(think=True, max_turns=max_turns,
+                                                                     max_think_tokens=5, max_reply_tokens=6))
+    profile = simulator.load_profiles(simulator.DEFAULT_PROFILES)[0]
+    [dialogue] = runner.run([(profile, runner.openings([profile])[profile.id])], generate)
+    runner.close()
+    return dialogue, tokenizer

@@ -236,20 +236,11 @@ def test_a_new_run_refuses_an_output_dir_that_holds_one(tiny_model_dir, tmp_path
 
 
 def test_per_turn_rows_drop_earlier_thoughts_and_train_one_turn_each(tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from conftest import play_think_dialogue
 
     import rollout
-    import simulator
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    generate = rollout.TransformersGenerator(model, tokenizer, GenerationConfig(
-        do_sample=True, top_k=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
-    runner = rollout.DialogueRunner(tokenizer, rollout.RolloutConfig(think=True, max_turns=3, max_think_tokens=5,
-                                                                     max_reply_tokens=6))
-    profile = simulator.load_profiles(simulator.DEFAULT_PROFILES)[0]
-    [dialogue] = runner.run([(profile, runner.openings([profile])[profile.id])], generate)
-    runner.close()
+    dialogue, tokenizer = play_think_dialogue(tiny_model_dir)
     rows = train_ppo.per_turn_rows(dialogue)
     assert len(rows) == len(dialogue.sampled_turns) == 3
     segments = rollout.ChatSegments(tokenizer)

@@ -47,19 +47,9 @@ def test_sampled_turn_marks_only_the_tokens_each_turn_sampled():
 
 
 def test_in_a_real_think_rollout_each_turn_is_marked_on_exactly_the_tokens_it_sampled(tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from conftest import play_think_dialogue
 
-    import simulator
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    generate = rollout.TransformersGenerator(model, tokenizer, GenerationConfig(
-        do_sample=True, top_k=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
-    runner = rollout.DialogueRunner(tokenizer, rollout.RolloutConfig(think=True, max_turns=3, max_think_tokens=5,
-                                                                     max_reply_tokens=6))
-    profile = simulator.load_profiles(simulator.DEFAULT_PROFILES)[0]
-    [dialogue] = runner.run([(profile, runner.openings([profile])[profile.id])], generate)
-    runner.close()
+    dialogue, _ = play_think_dialogue(tiny_model_dir)
     turn_of = dialogue.sampled_turn()
     for turn, sampled in enumerate(dialogue.sampled_turns):
         assert [token for token, t in zip(dialogue.completion_ids, turn_of) if t == turn] == sampled
