@@ -157,7 +157,8 @@ def main(argv=None) -> None:
         print(f"| {label} | {summary['runs']} | {summary['first']:.1f} +- {summary['first_se']:.1f} | "
               f"{summary['last']:.1f} +- {summary['last_se']:.1f} | "
               f"{summary['difference']:+.1f} +- {summary['difference_se']:.1f} |")
-        curves[f"{label}, {len(arm_runs)} seeds ({summary['first']:.1f} -> {summary['last']:.1f})"] = arm_curve(
+        seeds = f"{len(arm_runs)} seed{'s' if len(arm_runs) > 1 else ''}"
+        curves[f"{label}, {seeds} ({summary['first']:.1f} -> {summary['last']:.1f})"] = arm_curve(
             [all_means[run_dir] for run_dir in arm_runs])
     plot(curves, args.title, out)
     print(f"wrote {out}")
