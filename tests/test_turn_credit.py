@@ -86,6 +86,13 @@ def test_turn_credit_takes_the_format_penalty_off_the_last_turn():
     assert rewards[0, 3 + 1].item() == pytest.approx(0.05) and rewards[0, 3 + 8].item() == pytest.approx(-0.10)
 
 
+def test_the_format_penalty_lands_on_the_last_of_three_turns():
+    dialogue = two_turn_dialogue(emotions=(35, 45, 40))
+    dialogue.turn_starts = [0, 4, 9]
+    assert train_ppo.turn_rewards(dialogue, 0.40 - 0.2, turn_credit=True) == pytest.approx([0.05, 0.10, -0.25])
+    assert train_ppo.turn_rewards(dialogue, 0.40, turn_credit=False) == [0.0, 0.0, 0.40]
+
+
 def test_with_gamma_and_lambda_one_a_turns_return_is_what_followed_it():
     """Zero values: the return of every token of turn k is (final - emotion before turn k) / 100 with turn
     credit, the final emotion / 100 without."""
