@@ -40,6 +40,7 @@ def test_turn_changes_are_each_turns_emotion_difference_and_sum_to_final_minus_s
     dialogue = two_turn_dialogue()
     assert dialogue.turn_changes == [5, 10]
     assert sum(dialogue.turn_changes) == dialogue.final_emotion - 30
+    assert two_turn_dialogue(emotions=(35, 45, 40)).turn_changes == [5, 10, -5]  # each against the one before
 
 
 def test_sampled_turn_marks_only_the_tokens_each_turn_sampled():
