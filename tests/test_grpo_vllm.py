@@ -110,3 +110,33 @@ def test_grpo_colocate_think_run_samples_each_dialogues_own_completions(tiny_mod
     calls = generate_calls(log)
     assert {call["stop"] for call in calls} == {"</think>", None}
     assert all(set(call["verdicts"]) <= {"own"} and call["logprobs_ok"] is not False for call in calls)
+
+
+def test_turn_credit_on_two_ranks_compares_each_turn_with_its_whole_group_across_ranks(tiny_model_dir, tmp_path):
+    """One profile of 4 dialogues a step, 2 on each rank: each turn's term must come from the group's 4
+    changes, gathered across the ranks, not from a rank's own 2 (the logged mean term tells them apart)."""
+    import zlib
+
+    from fake_openai import FakeOpenAIServer
+
+    import train_grpo
+
+    def respond(body):  # a change that depends on the reply, so the group's changes differ
+        return f"Fine.\nCHANGE: {['+5', '-5', '+10', '0'][zlib.crc32(json.dumps(body['messages']).encode()) % 4]}"
+
+    output_dir = tmp_path / "run"
+    with FakeOpenAIServer(respond=respond) as simulator_server:
+        finished = two_ranks(FAKE / "run.py", "train_grpo.py", "--model_name_or_path", tiny_model_dir,
+                             "--output_dir", output_dir, "--num_generations", "4", "--per_device_train_batch_size", "2",
+                             "--use_vllm", "--use_cpu", "true", "--vllm_mode", "colocate", "--max_steps", "1",
+                             "--max_turns", "2", "--max_reply_tokens", "8", "--turn_credit", "--backend", "llm",
+                             "--simulator_model", "sim-model", "--base_url", simulator_server.base_url,
+                             env={"FAKE_VLLM_LOG": str(tmp_path / "client.log")})
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    rows = [json.loads(line) for rank in (0, 1) for line in (output_dir / f"transcripts.rank{rank}.jsonl").open()]
+    changes = [[m["change"] for m in row["history"] if m["role"] == "user" and "change" in m] for row in rows]
+    terms = train_grpo.turn_terms(changes, [False] * 4, 4, "turn", "std", 10)
+    expected = sum(0.5 * abs(term) for row_terms in terms for term in row_terms) / sum(map(len, terms))
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    [logged] = [entry["turn_credit/mean_abs_term"] for entry in history if "turn_credit/mean_abs_term" in entry]
+    assert expected > 0 and logged == pytest.approx(expected, rel=1e-4)
