@@ -484,12 +484,8 @@ class Dialogue:
         """For each completion token, the index of the policy turn that sampled it; -1 for inserted tokens
         (user turns, template tokens, a forced </think>)."""
         ends = self.turn_starts[1:] + [len(self.completion_ids)]
-        turn_of = [-1] * len(self.completion_ids)
-        for turn, (start, end) in enumerate(zip(self.turn_starts, ends)):
-            for position in range(start, end):
-                if self.env_mask[position]:
-                    turn_of[position] = turn
-        return turn_of
+        return [turn if sampled else -1 for turn, (start, end) in enumerate(zip(self.turn_starts, ends))
+                for sampled in self.env_mask[start:end]]
 
     def context(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
