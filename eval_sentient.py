@@ -221,7 +221,8 @@ def benchmark_config(simulator_args, args: EvalArguments | None = None) -> rollo
         max_reply_tokens=args.max_reply_tokens, max_dialogue_tokens=args.max_dialogue_tokens,
         simulator_concurrency=args.batch_size, start_emotion=simulator.BENCHMARK_START_EMOTION,
         variant=simulator_args.variant, change_bound=simulator_args.change_bound, language=simulator_args.language,
-        policy_prompt="sentient")
+        policy_prompt="sentient", simulator_prompts=simulator_args.official("simulator_prompts"),
+        policy_prompts=simulator_args.official("policy_prompts"))
 
 
 def new_simulator(profile, chat, simulator_args) -> simulator.Simulator:
@@ -371,7 +372,8 @@ async def play_endpoint(args, simulator_args, chat, profiles, done: set, output:
     async def play(index, profile):
         async with gate:
             user = new_simulator(profile, chat, simulator_args)
-            system = rollout.policy_system_prompt(simulator_args.language or profile.language, args.think, "sentient")
+            system = rollout.policy_system_prompt(simulator_args.language or profile.language, args.think, "sentient",
+                                                  simulator_args.official("policy_prompts"))
             messages = [{"role": "system", "content": system}, {"role": "user", "content": await user.open()}]
             thoughts = []
             while not user.done:

@@ -74,6 +74,8 @@ class RolloutConfig:
     change_bound: int = simulator.CHANGE_BOUND
     language: str | None = None  # simulator prompt language; default: the profile's
     policy_prompt: str = "policy"  # the policy's system prompt: prompts/<language>/<name>[_think].txt
+    simulator_prompts: "official.OfficialPrompts | None" = None  # the released code's user prompts (None: ours)
+    policy_prompts: "official.OfficialPrompts | None" = None  # the released code's policy prompt (None: ours)
 
 
 @dataclass
@@ -112,14 +114,18 @@ def rollout_config(dialogue_args: DialogueArguments, simulator_args: simulator.S
         think=dialogue_args.think, max_turns=dialogue_args.max_turns, max_think_tokens=dialogue_args.max_think_tokens,
         max_reply_tokens=reply_tokens, max_dialogue_tokens=dialogue_args.max_dialogue_tokens,
         format_penalty=dialogue_args.format_penalty, simulator_concurrency=dialogue_args.simulator_concurrency,
-        variant=simulator_args.variant, change_bound=simulator_args.change_bound, language=simulator_args.language)
+        variant=simulator_args.variant, change_bound=simulator_args.change_bound, language=simulator_args.language,
+        simulator_prompts=simulator_args.official("simulator_prompts"), policy_prompts=simulator_args.official("policy_prompts"))
 
 
 # --------------------------------------------------------------------------------------------
 # The policy's side: system prompt, think parsing, chat-template pieces
 # --------------------------------------------------------------------------------------------
 
-def policy_system_prompt(language: str, think: bool, name: str = "policy") -> str:
+def policy_system_prompt(language: str, think: bool, name: str = "policy", official_prompts=None) -> str:
+    """Ours from prompts/ (stripped), or the released code's as it is (`official.OfficialPrompts`)."""
+    if official_prompts is not None:
+        return official_prompts.policy_prompt(think)
     path = PROMPTS_DIR / language / (f"{name}_think.txt" if think else f"{name}.txt")
     return path.read_text(encoding="utf-8").strip()
 
@@ -504,7 +510,8 @@ class Dialogue:
 
 def new_simulator(profile, chat, config: RolloutConfig) -> simulator.Simulator:
     """A fresh simulated user for one dialogue, on the config's start, turn limit, bound and variant."""
-    return simulator.make_simulator(profile, chat, variant=config.variant, start_emotion=config.start_emotion,
+    return simulator.make_simulator(profile, chat, config.simulator_prompts, variant=config.variant,
+                                    start_emotion=config.start_emotion,
                                     max_turns=config.max_turns, change_bound=config.change_bound,
                                     language=config.language)
 
@@ -549,7 +556,7 @@ class DialogueRunner:
         """The policy's prompt for a dialogue (system prompt and the user's opening); refused when it leaves
         no room for one turn within max_dialogue_tokens."""
         c = self.config
-        system = policy_system_prompt(c.language or profile.language, c.think, c.policy_prompt)
+        system = policy_system_prompt(c.language or profile.language, c.think, c.policy_prompt, c.policy_prompts)
         prompt_ids = self.segments.prompt_ids(system, opening)
         needed = len(prompt_ids) + self.min_turn_tokens
         if needed > c.max_dialogue_tokens:

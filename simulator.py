@@ -76,6 +76,8 @@ import threading
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import official
+
 REPO_DIR = Path(__file__).resolve().parent
 PROMPTS_DIR = REPO_DIR / "prompts"
 DEFAULT_PROFILES = REPO_DIR / "profiles" / "train.jsonl"
@@ -521,7 +523,7 @@ class Simulator:
             end_reason = "farewell"
         elif self.emotion < GIVE_UP_BELOW:
             end_reason = "gave_up"
-        elif says_goodbye(message, self.language):
+        elif self._says_goodbye(message):
             end_reason = "goodbye"
         elif self.turns >= self.max_turns:
             end_reason = "turn_limit"
@@ -543,6 +545,9 @@ class Simulator:
                 message["think"] = thought
         return {**self.profile.to_row(), "emo_point": self.emotion, "emo_state": f"Emotion-{self.state}",
                 "history": history}
+
+    def _says_goodbye(self, message: str) -> bool:
+        return says_goodbye(message, self.language)
 
     async def _opening(self) -> str:
         raise NotImplementedError
@@ -844,6 +849,56 @@ class LLMSimulator(Simulator):
         for _ in range(self.parse_attempts):
             message = (await self._ask(system, prompt)).strip().strip('"“”').strip()
             if message:
+                return message
+        raise SimulatorError(f"profile {self.profile.id}: the simulator returned an empty message "
+                             f"{self.parse_attempts} times")
+
+
+class OfficialSimulator(Simulator):
+    """The simulated user of the released SAGE or RLVER code, with their own prompts (`official.py`): an
+    analysis call, then a reply call, each prompt sent as the only message, built and parsed as there.
+    What stays ours: the bounded retries, the change bound (RLVER's own is none), call counting, and the
+    termination rules, except that a goodbye is "再见" or "拜拜" anywhere in the message, as in SAGE."""
+
+    def __init__(self, profile, chat, prompts: "official.OfficialPrompts", *, parse_attempts: int = 3, **options):
+        super().__init__(profile, **options)
+        self.chat, self.prompts, self.parse_attempts = chat, prompts, parse_attempts
+        self.format_retries = 0
+
+    async def _ask(self, prompt: str) -> str:
+        return await self.chat.complete([{"role": "user", "content": prompt}], stats=self.calls)
+
+    def _says_goodbye(self, message: str) -> bool:
+        return official.says_goodbye(message)
+
+    async def _opening(self) -> str:
+        return await self._message(self.prompts.reply_prompt(self.profile, f"Emotion-{self.state}", [], None))
+
+    async def _judge(self, reply_text: str) -> tuple[int, str]:
+        history = self.history + [{"role": "assistant", "content": reply_text}]
+        prompt = self.prompts.analysis_prompt(self.profile, self.emotion, history)
+        problem = None
+        for attempt in range(self.parse_attempts):
+            if attempt:
+                self.format_retries += 1
+            output = await self._ask(prompt)
+            try:
+                change, planning = self.prompts.parse_analysis(output)
+            except ValueError as error:  # where the official code raises and asks again
+                problem = f"{error}; output was {output.strip()[-200:]!r}"
+                continue
+            return change, self.prompts.planning_text(planning)
+        raise SimulatorError(f"profile {self.profile.id}: the {self.prompts.source} analysis could not be parsed "
+                             f"after {self.parse_attempts} attempts ({problem})")
+
+    async def _write_message(self, reply_text: str, reasoning: str, change: int) -> str:
+        history = self.history  # the policy's reply is in it by now
+        return await self._message(self.prompts.reply_prompt(self.profile, f"Emotion-{self.state}", history, reasoning))
+
+    async def _message(self, prompt: str) -> str:
+        for _ in range(self.parse_attempts):
+            message = official.reply_message(await self._ask(prompt))
+            if message.strip():
                 return message
         raise SimulatorError(f"profile {self.profile.id}: the simulator returned an empty message "
                              f"{self.parse_attempts} times")
@@ -1273,10 +1328,39 @@ class SimulatorArguments:
     change_bound: int = field(default=CHANGE_BOUND, metadata={"help": "largest |emotion change| per turn"})
     language: str | None = field(default=None, metadata={
         "help": "simulator prompt language (en, zh); default: the profile's", "choices": [None, *LANGUAGES]})
+    simulator_prompts: str = field(default="ours", metadata={
+        "help": "the simulated user's prompts: ours (prompts/), or the released code's own, read from "
+                "--official_repo: sage (the Sentient benchmark's user), rlver (RLVER's training user)",
+        "choices": ["ours", *official.SOURCES]})
+    policy_prompts: str = field(default="ours", metadata={
+        "help": "the policy's system prompt: ours (prompts/), sage (SAGE's NPC prompt, no think variant) or "
+                "rlver (RLVER's training prompts), the last two read from --official_repo",
+        "choices": ["ours", *official.SOURCES]})
+    official_repo: str | None = field(default=None, metadata={
+        "help": "a checkout of github.com/Tencent/digitalhuman, for --simulator_prompts/--policy_prompts sage|rlver"})
 
     def __post_init__(self):
         check_options(self, simulator_timeout=POSITIVE, simulator_max_retries=NOT_NEGATIVE,
                       change_bound=(lambda value: 1 <= value <= MAX_EMOTION, f"within 1-{MAX_EMOTION}"))
+        if self.simulator_prompts != "ours" and self.variant != "vanilla":
+            raise ArgumentError(f"--variant {self.variant}: the {self.simulator_prompts} prompts have one variant; "
+                                "variants are ours (--simulator_prompts ours)")
+        for option in ("simulator_prompts", "policy_prompts"):  # read and checked now, before any model loads
+            source = getattr(self, option)
+            if source == "ours":
+                continue
+            if not self.official_repo:
+                raise ArgumentError(f"--{option} {source} needs --official_repo PATH, a checkout of "
+                                    "github.com/Tencent/digitalhuman")
+            try:
+                official.load(source, self.official_repo)
+            except official.OfficialRepoError as error:
+                raise ArgumentError(str(error)) from None
+
+    def official(self, option: str) -> "official.OfficialPrompts | None":
+        """The official prompts chosen for `option` ("simulator_prompts" or "policy_prompts"), None for ours."""
+        source = getattr(self, option)
+        return None if source == "ours" else official.load(source, self.official_repo)
 
 
 def rule_backend_refusal(profile, language: str | None) -> str:
@@ -1288,6 +1372,8 @@ def rule_backend_refusal(profile, language: str | None) -> str:
 def check_backend(profiles, args: SimulatorArguments) -> None:
     """Refuse, before any model loads, dialogues the chosen backend cannot play."""
     if args.backend == "rule":
+        if args.simulator_prompts != "ours":
+            raise SimulatorError(f"--simulator_prompts {args.simulator_prompts} needs an LLM: use --backend llm or local")
         for profile in profiles:
             if (args.language or profile.language) != "en":
                 raise SimulatorError(rule_backend_refusal(profile, args.language))
@@ -1311,9 +1397,14 @@ def make_chat(args: SimulatorArguments):
     raise ValueError(f"backend must be one of {BACKENDS}, got {args.backend!r}")
 
 
-def make_simulator(profile, chat=None, **options) -> Simulator:
-    """A fresh simulator for one dialogue: the rule backend when `chat` is None, else the LLM one."""
-    return RuleSimulator(profile, **options) if chat is None else LLMSimulator(profile, chat, **options)
+def make_simulator(profile, chat=None, official_prompts=None, **options) -> Simulator:
+    """A fresh simulator for one dialogue: the rule backend when `chat` is None, else the LLM one, with our
+    prompts or, given `official_prompts` (`SimulatorArguments.official`), the released code's."""
+    if chat is None:
+        return RuleSimulator(profile, **options)
+    if official_prompts is not None:
+        return OfficialSimulator(profile, chat, official_prompts, **options)
+    return LLMSimulator(profile, chat, **options)
 
 
 def find_profile(profiles, profile_id: str):
@@ -1383,7 +1474,8 @@ async def _talk(play_args: PlayArguments, simulator_args: SimulatorArguments) ->
     if chat is not None:
         await chat.check()
     simulator = make_simulator(
-        profile, chat, variant=simulator_args.variant, change_bound=simulator_args.change_bound,
+        profile, chat, simulator_args.official("simulator_prompts"), variant=simulator_args.variant,
+        change_bound=simulator_args.change_bound,
         language=simulator_args.language,
         start_emotion=BENCHMARK_START_EMOTION if play_args.benchmark else TRAIN_START_EMOTION,
         max_turns=BENCHMARK_MAX_TURNS if play_args.benchmark else TRAIN_MAX_TURNS)
