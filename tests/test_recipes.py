@@ -236,3 +236,24 @@ def test_a_recipe_leaves_turn_credit_off_and_its_commented_block_turns_it_on(rec
     else:
         written, tried = (train_ppo.parse_arguments(["--config", str(path)])[0] for path in (recipe, uncommented))
     assert written.turn_credit is False and tried.turn_credit is True
+
+
+OFFICIAL_REPO = Path(os.environ.get("RLVER_OFFICIAL_REPO", "/nonexistent"))
+
+
+@pytest.mark.skipif(not (OFFICIAL_REPO / "SAGE").is_dir(), reason="set RLVER_OFFICIAL_REPO to a digitalhuman checkout")
+@pytest.mark.parametrize("recipe", GRPO_RECIPES + PPO_RECIPES, ids=lambda r: r.name)
+def test_a_recipes_commented_official_prompts_block_turns_rlvers_prompts_on(recipe, tmp_path):
+    """Our prompts as written; the commented lines, uncommented with a real checkout, give RLVER's."""
+    lines = recipe.read_text().splitlines()
+    block = [line for line in lines if line.startswith(("# simulator_prompts", "# policy_prompts", "# official_repo"))]
+    assert len(block) == 3, "the recipe carries the commented official-prompts options"
+    uncommented = tmp_path / recipe.name
+    uncommented.write_text("\n".join(line[2:].replace("/path/to/digitalhuman", str(OFFICIAL_REPO))
+                                     if line in block else line for line in lines) + "\n")
+    parse = (lambda path: grpo_arguments(path)[1]) if recipe in GRPO_RECIPES else (
+        lambda path: train_ppo.parse_arguments(["--config", str(path)])[2])
+    written, tried = parse(recipe), parse(uncommented)
+    assert (written.simulator_prompts, written.policy_prompts) == ("ours", "ours")
+    assert (tried.simulator_prompts, tried.policy_prompts) == ("rlver", "rlver")
+    assert tried.official("simulator_prompts").source == "rlver"
