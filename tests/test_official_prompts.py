@@ -408,3 +408,25 @@ def test_training_dialogues_with_rlver_prompts_play_as_rlver_did(tiny_model_dir)
     history = [{"role": "user", "content": openings[profile.id]}, {"role": "assistant", "content": reply}]
     assert sent[1][0]["content"] == rlver.analysis_prompt(profile, 30, history)  # the group's opening is reused
     assert dialogue.emotions == [35, 40]
+
+
+@needs_repo
+def test_train_ppo_trains_against_rlvers_user_from_the_command_line(tiny_model_dir, tmp_path):
+    import subprocess
+
+    from conftest import profile_row, write_jsonl
+
+    profiles = write_jsonl(tmp_path / "profiles.jsonl", [profile_row(first_talk="My week was awful.")])
+    respond = lambda body: RLVER_ANALYSIS if "emotion分析器" in body["messages"][0]["content"] else REPLY
+    with FakeOpenAIServer(models=["sim-model"], respond=respond) as server:
+        done = subprocess.run(
+            [sys.executable, str(Path(rollout.__file__).with_name("train_ppo.py")), "--model_name_or_path",
+             str(tiny_model_dir), "--output_dir", str(tmp_path / "run"), "--max_turns", "2", "--max_reply_tokens", "6",
+             "--profiles", str(profiles), "--dialogues_per_profile", "2", "--max_steps", "1", "--backend", "llm",
+             "--base_url", server.base_url, "--simulator_model", "sim-model", "--simulator_prompts", "rlver",
+             "--policy_prompts", "rlver", "--official_repo", str(REPO)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "transcripts.jsonl").read_text().splitlines()]
+    assert [row["emo_point"] for row in rows] == [40, 40]  # 30 + 5 + 5, as RLVER's parser read the analyses
+    assert all(m["content"] == "就是说啊，气死了。" for row in rows for m in row["history"][1:] if m["role"] == "user")
+    assert len(server.requests) == 8 and all(len(body["messages"]) == 1 for body in server.requests)
