@@ -57,15 +57,16 @@ from pathlib import Path
 
 import numpy as np
 
+import common
 import rollout
-import simulator
 
 TASKS = ("math500", "livecodebench", "humaneval", "ifeval")
 TASK_MAX_NEW_TOKENS = {"math500": 2048, "livecodebench": 2048, "humaneval": 1024, "ifeval": 1280}
 HUB_DATASETS = {"math500": "HuggingFaceH4/MATH-500", "ifeval": "google/IFEval",
                 "livecodebench": "livecodebench/code_generation_lite"}
 # Releases are cumulative: release_vN holds the problems of test.jsonl ... testN.jsonl (the hub repo's layout).
-LIVECODEBENCH_FILES = {f"release_v{n}": ["test.jsonl"] + [f"test{i}.jsonl" for i in range(2, n + 1)] for n in range(1, 7)}
+LIVECODEBENCH_FILES = {f"release_v{n}": ["test.jsonl"] + [f"test{i}.jsonl" for i in range(2, n + 1)]
+                       for n in range(1, 7)}
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the complete function, "
                          "including its signature, in one ```python code block.")
@@ -81,14 +82,16 @@ CODE_TASKS = ("humaneval", "livecodebench")
 class GeneralEvalArguments:
     """What to test and how; the defaults are the GPU run over all four tasks with hub data."""
 
-    model: str = field(default=simulator.PACKAGED_MODEL, metadata={
+    model: str = field(default=common.PACKAGED_MODEL, metadata={
         "help": "local folder, hub id, or the model name served at --model_base_url"})
-    model_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible endpoint of the tested model"})
+    model_base_url: str | None = field(default=None, metadata={
+        "help": "OpenAI-compatible endpoint of the tested model"})
     model_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "variable holding its API key"})
     use_vllm: bool = field(default=False, metadata={"help": "generate with an in-process vLLM engine (GPU)"})
     think: bool = field(default=False, metadata={"help": "ask for <think>...</think> first; grade only what follows"})
     tasks: str = field(default=",".join(TASKS), metadata={"help": f"comma-separated, from {', '.join(TASKS)}"})
-    output_dir: str | None = field(default=None, metadata={"help": "result folder; default runs/general/<model>[-think]"})
+    output_dir: str | None = field(default=None, metadata={
+        "help": "result folder; default runs/general/<model>[-think]"})
     limit: int | None = field(default=None, metadata={"help": "only the first N items of each task"})
     math500_path: str | None = field(default=None, metadata={"help": "local MATH-500 JSON Lines (else the hub)"})
     ifeval_path: str | None = field(default=None, metadata={"help": "local IFEval input_data.jsonl (else the hub)"})
@@ -109,7 +112,7 @@ class GeneralEvalArguments:
     bootstrap_samples: int = field(default=10000, metadata={"help": "resamples for the paired bootstrap"})
 
     def __post_init__(self):
-        simulator.check_options(
+        common.check_options(
             self, tasks=(lambda value: task_list(value) and set(task_list(value)) <= set(TASKS),
                          f"one or more of {', '.join(TASKS)}, comma-separated"),
             limit=(lambda value: value >= 1, "at least 1 (leave it out for every item)"),
@@ -117,15 +120,15 @@ class GeneralEvalArguments:
                                    f"one of {', '.join(LIVECODEBENCH_FILES)}"),
             livecodebench_start_date=(is_date, "a date, YYYY-MM-DD"),
             livecodebench_end_date=(is_date, "a date, YYYY-MM-DD"),
-            temperature=simulator.NOT_NEGATIVE, top_p=(lambda value: 0 < value <= 1, "above 0 and at most 1"),
+            temperature=common.NOT_NEGATIVE, top_p=(lambda value: 0 < value <= 1, "above 0 and at most 1"),
             max_new_tokens=(lambda value: value >= 1, "at least 1 (leave it out for each task's own budget)"),
-            batch_size=simulator.AT_LEAST_ONE, seed=simulator.NOT_NEGATIVE,
+            batch_size=common.AT_LEAST_ONE, seed=common.NOT_NEGATIVE,
             code_memory_mb=(lambda value: value >= MIN_CODE_MEMORY_MB, f"at least {MIN_CODE_MEMORY_MB} (MB)"),
             compare=(lambda value: len(value) in (0, 2), "two paths: BASE TRAINED"),
-            bootstrap_samples=simulator.AT_LEAST_ONE)
+            bootstrap_samples=common.AT_LEAST_ONE)
         start, end = self.livecodebench_start_date, self.livecodebench_end_date
         if start and end and start > end:
-            raise simulator.ArgumentError(f"--livecodebench_start_date {start} is after --livecodebench_end_date {end}")
+            raise common.ArgumentError(f"--livecodebench_start_date {start} is after --livecodebench_end_date {end}")
 
 
 def task_list(tasks: str) -> list[str]:
@@ -140,7 +143,7 @@ def is_date(text: str) -> bool:
         return False
 
 
-class DataError(simulator.InputError):
+class DataError(common.InputError):
     """Benchmark data that cannot be loaded or does not have the expected fields."""
 
 
@@ -150,7 +153,7 @@ class DataError(simulator.InputError):
 
 def read_local_rows(path, required: tuple[str, ...]) -> list[dict]:
     rows = []
-    for _, where, row in simulator.json_lines(path, "data file", DataError):
+    for _, where, row in common.json_lines(path, "data file", DataError):
         missing = [name for name in required if not isinstance(row, dict) or name not in row]
         if missing:
             raise DataError(f"{where}: missing field {missing[0]!r}")
@@ -164,7 +167,7 @@ def read_hub_rows(task: str, split: str, local_flag: str) -> list[dict]:
     try:
         import datasets
 
-        if simulator.hub_unreachable():  # read the local datasets cache only: fail in seconds, not a minute
+        if common.hub_unreachable():  # read the local datasets cache only: fail in seconds, not a minute
             datasets.config.HF_HUB_OFFLINE = True
         return [dict(row) for row in datasets.load_dataset(HUB_DATASETS[task], split=split)]
     except Exception as error:  # no network, no such dataset, a proxy error: all end the same way
@@ -216,7 +219,7 @@ def livecodebench_rows(args) -> list[dict]:
         try:
             from huggingface_hub import hf_hub_download
 
-            offline = bool(simulator.hub_unreachable())  # then only the hub cache: fail in seconds, not a minute
+            offline = bool(common.hub_unreachable())  # then only the hub cache: fail in seconds, not a minute
             paths = [hf_hub_download(HUB_DATASETS["livecodebench"], name, repo_type="dataset", local_files_only=offline)
                      for name in names]
         except Exception as error:
@@ -231,7 +234,8 @@ def livecodebench_rows(args) -> list[dict]:
 # livecodebench/prompts/code_generation.py), restated: that package's prompts module cannot be
 # imported without the anthropic SDK.
 LIVECODEBENCH_SYSTEM = ("You are an expert Python programmer. You will be given a question (problem specification) "
-                        "and will generate a correct Python program that matches the specification and passes all tests.")
+                        "and will generate a correct Python program that matches the specification "
+                        "and passes all tests.")
 
 
 def livecodebench_prompt(question: str, starter_code: str) -> str:
@@ -365,7 +369,8 @@ def grade_math500(item: dict, response: str) -> dict:
 
     # Called from the main thread (run_task grades maths there): math-verify's timeouts use SIGALRM.
     gold = parse(f"${item['answer']}$", extraction_config=[LatexExtractionConfig()])
-    predicted = parse(response, extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()])
+    predicted = parse(response,
+                      extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()])
     correct = bool(gold) and bool(predicted) and verify(gold, predicted)  # gold first: verify is not symmetric
     return {"correct": correct, "extracted": str(predicted[-1]) if predicted else None}
 
@@ -422,7 +427,7 @@ def ifeval_checkers():
     import nltk
     import punkt
 
-    folder = simulator.MODEL_CACHE / "nltk_data"
+    folder = common.MODEL_CACHE / "nltk_data"
     english = folder / "tokenizers" / "punkt_tab" / "english"
     if not (english / "ortho_context.tab").is_file():
         parameters = punkt.load_model("english")
@@ -458,9 +463,11 @@ def item_metrics(task: str, verdict: dict) -> dict[str, tuple[float, float]]:
     if task in ("humaneval", "livecodebench"):
         return {"pass@1": (float(verdict["passed"]), 1.0)}
     return {"prompt_strict": (float(verdict["prompt_level_strict_acc"]), 1.0),
-            "instruction_strict": (float(sum(verdict["inst_level_strict_acc"])), float(len(verdict["inst_level_strict_acc"]))),
+            "instruction_strict": (float(sum(verdict["inst_level_strict_acc"])),
+                                   float(len(verdict["inst_level_strict_acc"]))),
             "prompt_loose": (float(verdict["prompt_level_loose_acc"]), 1.0),
-            "instruction_loose": (float(sum(verdict["inst_level_loose_acc"])), float(len(verdict["inst_level_loose_acc"])))}
+            "instruction_loose": (float(sum(verdict["inst_level_loose_acc"])),
+                                  float(len(verdict["inst_level_loose_acc"])))}
 
 
 BREAKDOWNS = {"math500": ("subject", "level"), "livecodebench": ("difficulty",)}
@@ -490,17 +497,16 @@ class LocalBackend:
     """A local or hub model through transformers (batched), or an in-process vLLM engine."""
 
     def __init__(self, args: GeneralEvalArguments):
-        from eval_sentient import load_generator, load_tokenizer
-
-        rollout.use_all_cpu_cores()
-        folder, self.tokenizer = load_tokenizer(args)
-        self.generate = load_generator(args, folder, self.tokenizer)
+        common.use_all_cpu_cores()
+        folder, self.tokenizer = rollout.load_tokenizer(args)
+        self.generate = rollout.load_generator(args, folder, self.tokenizer)
 
     def __call__(self, conversations: list[list[dict]], max_new_tokens: int, seed: int) -> list[str]:
         import torch
 
         torch.manual_seed(seed)  # a batch samples the same whether or not the run was resumed (vLLM too)
-        contexts = [self.tokenizer(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+        contexts = [self.tokenizer(self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                      add_generation_prompt=True),
                                    add_special_tokens=False).input_ids for messages in conversations]
         sampled, _ = self.generate(contexts, [max_new_tokens] * len(contexts))
         return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in sampled]
@@ -518,11 +524,12 @@ class EndpointBackend:
 
     async def _complete(self, conversations, max_new_tokens, seed):
         if self.client is None:  # created on the loop that will use its connections
-            self.client = simulator.ChatClient(self.args.model_base_url, self.args.model, self.args.model_api_key_env,
+            self.client = common.ChatClient(self.args.model_base_url, self.args.model, self.args.model_api_key_env,
                                                temperature=self.args.temperature, role="tested-model")
             await self.client.check()
         self.client.max_tokens = max_new_tokens
-        return await asyncio.gather(*(self.client.complete(messages, seed=seed + i if self.args.temperature > 0 else None)
+        return await asyncio.gather(*(self.client.complete(messages,
+                                                           seed=seed + i if self.args.temperature > 0 else None)
                                       for i, messages in enumerate(conversations)))
 
 
@@ -543,7 +550,7 @@ def read_result_rows(path, skip_cut_last_line: bool = False) -> list[dict]:
     """A task's result rows; our own, read to resume, may end in a line cut short by a killed run, which
     `skip_cut_last_line` leaves out (with a warning): its item is generated again."""
     rows = []
-    for _, where, row in simulator.json_lines(path, "result file", DataError, skip_cut_last_line):
+    for _, where, row in common.json_lines(path, "result file", DataError, skip_cut_last_line):
         if not isinstance(row, dict) or "id" not in row or "verdict" not in row:
             raise DataError(f"{where}: a result row needs 'id' and 'verdict'")
         rows.append(row)
@@ -600,7 +607,7 @@ def run_task(task: str, items: list[dict], done: set, args: GeneralEvalArguments
                     row["graded_response"] = response
                 rows.append(row)
             output_dir.mkdir(parents=True, exist_ok=True)  # with the first rows: a run failing earlier leaves none
-            simulator.append_json_lines(path, rows)  # a last line cut short by a killed run is dropped first
+            common.append_json_lines(path, rows)  # a last line cut short by a killed run is dropped first
             bar.update(len(rows))
     bar.close()
     wanted = {item["id"] for item in items}
@@ -626,7 +633,7 @@ def check_sandbox(data: dict, memory_mb: int) -> None:
 def read_summary(path: Path) -> dict:
     """The figures of earlier runs into this folder; this run replaces those of the tasks it runs."""
     try:
-        summary = json.loads(simulator.read_text(path, "summary file"))
+        summary = json.loads(common.read_text(path, "summary file"))
     except json.JSONDecodeError as error:
         raise DataError(f"{path}:{error.lineno}: not valid JSON ({error.msg}); delete it: each task's figures are "
                         "computed again from its <task>.jsonl when the task runs") from None
@@ -638,12 +645,10 @@ def read_summary(path: Path) -> dict:
 def evaluate(args: GeneralEvalArguments) -> dict:
     from tqdm import tqdm
 
-    from eval_sentient import check_local_model
-
     tasks = task_list(args.tasks)
     output_dir = Path(args.output_dir) if args.output_dir else default_output_dir(args)
-    simulator.check_output_folder(output_dir, "output_dir")  # made with the first rows written
-    check_local_model(args)  # a mistyped --model fails in a second, not after the data loads
+    common.check_output_folder(output_dir, "output_dir")  # made with the first rows written
+    common.check_local_model(args)  # a mistyped --model fails in a second, not after the data loads
     data = {task: LOADERS[task](args) for task in tasks}  # before the model: bad data fails in seconds
     check_sandbox(data, args.code_memory_mb)
     summary_path = output_dir / "summary.json"
@@ -731,7 +736,8 @@ def format_summary(summary: dict) -> str:
         lines.append(f"{task}: {figures['items']} items, {scores}")
         for key in BREAKDOWNS.get(task, ()):
             for group, sub in figures.get(f"by_{key}", {}).items():
-                sub_scores = ", ".join(f"{name} {value:.1f}%" for name, value in sub.items() if isinstance(value, float))
+                sub_scores = ", ".join(f"{name} {value:.1f}%" for name, value in sub.items()
+                                       if isinstance(value, float))
                 lines.append(f"    {key} {group}: {sub['items']} items, {sub_scores}")
     return "\n".join(lines)
 
@@ -742,7 +748,7 @@ def main(argv=None) -> None:
     parser = HfArgumentParser(GeneralEvalArguments, description=__doc__.split("\n")[0])
     try:
         (args,) = parser.parse_args_into_dataclasses(argv)
-    except simulator.ArgumentError as error:
+    except common.ArgumentError as error:
         parser.error(str(error))
     try:
         if args.compare:
@@ -750,10 +756,11 @@ def main(argv=None) -> None:
             print(format_comparison(table, *args.compare))
             return
         summary = evaluate(args)
-    except (simulator.InputError, simulator.SimulatorError) as error:
+    except (common.InputError, common.EndpointError) as error:
         sys.exit(f"error: {error}")
     print(format_summary(summary))
-    print(f"\nper-item results and summary.json in {Path(args.output_dir) if args.output_dir else default_output_dir(args)}")
+    print(f"\nper-item results and summary.json in "
+          f"{Path(args.output_dir) if args.output_dir else default_output_dir(args)}")
 
 
 if __name__ == "__main__":

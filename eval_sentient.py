@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+import common
 import rollout
 import simulator
 
@@ -50,41 +51,46 @@ STATES = ("S", "A", "B", "C", "F")
 class EvalArguments:
     """What to test and how; defaults are the offline run (packaged SmolLM2, our English scenarios)."""
 
-    model: str = field(default=simulator.PACKAGED_MODEL, metadata={
+    model: str = field(default=common.PACKAGED_MODEL, metadata={
         "help": "local folder, hub id, or the model name served at --model_base_url"})
-    model_base_url: str | None = field(default=None, metadata={"help": "OpenAI-compatible endpoint of the tested model"})
+    model_base_url: str | None = field(default=None, metadata={
+        "help": "OpenAI-compatible endpoint of the tested model"})
     model_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "variable holding its API key"})
     use_vllm: bool = field(default=False, metadata={"help": "generate with an in-process vLLM engine (GPU)"})
     think: bool = field(default=False, metadata={"help": "think-then-say: <think>...</think>, hidden from the user"})
     profiles: str = field(default=str(simulator.DEFAULT_BENCHMARK_PROFILES), metadata={
         "help": "benchmark scenarios with first_talk (the official 100: RLVER's test_profile.jsonl)"})
-    output: str | None = field(default=None, metadata={"help": "result rows (JSON Lines); default runs/sentient/<model>.jsonl"})
+    output: str | None = field(default=None, metadata={
+        "help": "result rows (JSON Lines); default runs/sentient/<model>.jsonl"})
     limit: int | None = field(default=None, metadata={"help": "only the first N scenarios"})
     max_reply_tokens: int = field(default=64, metadata={"help": "reply tokens per turn (offline default; GPU: 1024)"})
     max_think_tokens: int = field(default=64, metadata={"help": "thinking tokens per turn, think mode (GPU: 2048)"})
-    max_dialogue_tokens: int = field(default=4096, metadata={"help": "prompt + completion tokens per dialogue (local models)"})
+    max_dialogue_tokens: int = field(default=4096, metadata={
+        "help": "prompt + completion tokens per dialogue (local models)"})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature of the tested model"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling of a local model (temperature > 0)"})
-    seed: int = field(default=0, metadata={"help": "sampling seed: the same seed and simulator outputs give the same rows"})
-    batch_size: int = field(default=16, metadata={"help": "scenarios played at once (local models; endpoints: at once in flight)"})
+    seed: int = field(default=0, metadata={
+        "help": "sampling seed: the same seed and simulator outputs give the same rows"})
+    batch_size: int = field(default=16, metadata={
+        "help": "scenarios played at once (local models; endpoints: at once in flight)"})
     rescore: list[str] = field(default_factory=list, metadata={
         "help": "result files to summarise (ours or official), printed as a leaderboard; no model is loaded"})
     bootstrap_samples: int = field(default=10000, metadata={"help": "resamples for the score's 95%% interval"})
 
     def __post_init__(self):
-        simulator.check_options(
+        common.check_options(
             self, limit=(lambda value: value >= 1, "at least 1 (leave it out for every scenario)"),
-            max_reply_tokens=simulator.AT_LEAST_ONE, max_think_tokens=simulator.AT_LEAST_ONE,
-            max_dialogue_tokens=simulator.AT_LEAST_ONE, temperature=simulator.NOT_NEGATIVE,
-            top_p=(lambda value: 0 < value <= 1, "above 0 and at most 1"), seed=simulator.NOT_NEGATIVE,
-            batch_size=simulator.AT_LEAST_ONE, bootstrap_samples=simulator.AT_LEAST_ONE)
+            max_reply_tokens=common.AT_LEAST_ONE, max_think_tokens=common.AT_LEAST_ONE,
+            max_dialogue_tokens=common.AT_LEAST_ONE, temperature=common.NOT_NEGATIVE,
+            top_p=(lambda value: 0 < value <= 1, "above 0 and at most 1"), seed=common.NOT_NEGATIVE,
+            batch_size=common.AT_LEAST_ONE, bootstrap_samples=common.AT_LEAST_ONE)
 
 
 # --------------------------------------------------------------------------------------------
 # Result files and metrics
 # --------------------------------------------------------------------------------------------
 
-class ResultFileError(simulator.InputError):
+class ResultFileError(common.InputError):
     """A result row that does not follow SAGE's format."""
 
 
@@ -101,7 +107,7 @@ def result_rows(path, skip_cut_last_line: bool = False):
     read to resume or summarise it, may end in a line cut short by a killed run: `skip_cut_last_line`
     leaves that line out (with a warning), and its scenario is played again."""
     seen = set()
-    for _, where, row in simulator.json_lines(path, "result file", ResultFileError, skip_cut_last_line):
+    for _, where, row in common.json_lines(path, "result file", ResultFileError, skip_cut_last_line):
         if not isinstance(row, dict):
             raise ResultFileError(f"{where}: a result row must be a JSON object")
         point = row.get("emo_point")
@@ -175,7 +181,8 @@ def format_summary(summary: dict, title: str) -> str:
     for name, heading in (("by_intention", "hidden intention"), ("by_personality", "personality type")):
         lines.append(f"  {heading:<22} {'n':>3} {'score':>6} {'success':>8} {'failure':>8}")
         for label, group in summary[name].items():
-            lines.append(f"    {label[:20]:<20} {group['n']:>3} {group['score']:>6.1f} {group['success']:>8} {group['failure']:>8}")
+            lines.append(f"    {label[:20]:<20} {group['n']:>3} {group['score']:>6.1f} {group['success']:>8} "
+                         f"{group['failure']:>8}")
     return "\n".join(lines)
 
 
@@ -210,118 +217,16 @@ def finished_ids(path: Path) -> set[str]:
 def append_rows(path: Path, rows: list[dict]) -> None:
     """Append result rows; the folder is made with the first one, so a run that fails earlier leaves none."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    simulator.append_json_lines(path, rows)  # a last line cut short by a killed run is dropped first
+    common.append_json_lines(path, rows)  # a last line cut short by a killed run is dropped first
 
 
-def benchmark_config(simulator_args, args: EvalArguments | None = None) -> rollout.RolloutConfig:
-    """The benchmark's dialogues: SAGE's start, judged-reply limit and bound, the tested model's budgets."""
-    args = args or EvalArguments()
-    return rollout.RolloutConfig(
-        think=args.think, max_turns=simulator.BENCHMARK_MAX_TURNS, max_think_tokens=args.max_think_tokens,
-        max_reply_tokens=args.max_reply_tokens, max_dialogue_tokens=args.max_dialogue_tokens,
-        simulator_concurrency=args.batch_size, start_emotion=simulator.BENCHMARK_START_EMOTION,
-        variant=simulator_args.variant, change_bound=simulator_args.change_bound, language=simulator_args.language,
-        policy_prompt="sentient", simulator_prompts=simulator_args.official("simulator_prompts"),
-        policy_prompts=simulator_args.official("policy_prompts"))
-
-
-def new_simulator(profile, chat, simulator_args) -> simulator.Simulator:
-    return rollout.new_simulator(profile, chat, benchmark_config(simulator_args))
-
-
-def loadable_model(name_or_path: str) -> str:
-    """--model as a folder (or hub id) that transformers and vLLM both load, its tokenizer beside it: the
-    packaged model's short name converted once (simulator.resolve_model), a PEFT adapter folder merged
-    onto its base once (merged_adapter), a full model folder as it is."""
-    path = Path(name_or_path)
-    if not path.is_dir():
-        return simulator.resolve_model(name_or_path)  # the packaged model or a hub id
-    if (path / "adapter_config.json").is_file():
-        return merged_adapter(path)
-    if not (path / "config.json").is_file():
-        raise simulator.InputError(f"{path} holds neither a model (config.json) nor a PEFT adapter "
-                                   "(adapter_config.json)")
-    if not (path / "tokenizer_config.json").is_file():
-        raise simulator.InputError(
-            f"{path} holds a model but no tokenizer (tokenizer_config.json), and no adapter_config.json names a base "
-            "model to take one from; save the tokenizer of the model it was trained from into it: "
-            f"AutoTokenizer.from_pretrained(BASE).save_pretrained({str(path)!r})")
-    return str(path)
-
-
-def merged_adapter(path: Path) -> str:
-    """The adapter merged onto its base model, in a cache folder named by the adapter folder's path and
-    newest file time (a retrained adapter gets a new merge), written once, atomically. The tokenizer is
-    the folder's own (TRL saves it) or else the base model's (train_ppo.py saves none)."""
-    import hashlib
-    import shutil
-
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = path.resolve()
-    stamp = max(f.stat().st_mtime_ns for f in path.iterdir() if f.is_file())
-    digest = hashlib.sha256(f"{path}:{stamp}".encode()).hexdigest()[:12]
-    target = simulator.MODEL_CACHE / "merged" / f"{path.name}-{digest}"
-    if (target / "config.json").is_file():
-        return str(target)
-    try:
-        config = json.loads(simulator.read_text(path / "adapter_config.json", "adapter config"))
-    except json.JSONDecodeError as error:
-        raise simulator.InputError(f"{path}/adapter_config.json:{error.lineno}: not valid JSON ({error.msg})") from None
-    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
-    if not base:
-        raise simulator.InputError(f"{path}/adapter_config.json does not name its base model (base_model_name_or_path)")
-    base = simulator.resolve_model(base)
-    tokenizer_source = path if (path / "tokenizer_config.json").is_file() else base
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-    except (OSError, ValueError) as error:  # no such hub id; a folder without tokenizer files
-        raise simulator.InputError(f"{path} holds no tokenizer (tokenizer_config.json), nor does its base model "
-                                   f"{base!r} (adapter_config.json): {error}") from None
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path).merge_and_unload()
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted merge
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)  # only a complete folder ever appears under the final name
-    return str(target)
-
-
-def check_local_model(args) -> None:
-    """Refuse at once, before anything slow, a local --model that is neither a folder here nor a hub id
-    to be had (an endpoint's model is checked by the endpoint; the packaged model is converted on demand)."""
-    if not args.model_base_url and args.model != simulator.PACKAGED_MODEL:
-        simulator.check_model_source(args.model, "model")
-
-
-def load_tokenizer(args):
-    """(folder, tokenizer) of the tested local model: the folder from loadable_model. The tokenizer comes
-    first, so the dialogue runner and the simulator's endpoint are checked before the weights load."""
-    from transformers import AutoTokenizer
-
-    folder = loadable_model(args.model)
-    return folder, AutoTokenizer.from_pretrained(folder)
-
-
-def load_generator(args, folder: str, tokenizer):
-    """`generate` for the tested local model (load_tokenizer's folder and tokenizer): an in-process vLLM
-    engine with --use_vllm (the transformers model is never loaded then: the engine wants its share of
-    the GPU), else transformers, on the GPU if there is one. Both sample from torch's RNG state, which
-    the callers seed per batch."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    if args.use_vllm:
-        return rollout.VLLMEngineGenerator(folder, args.temperature, args.top_p, args.seed)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    if torch.cuda.is_available():
-        model.to("cuda")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
-        if args.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    return rollout.TransformersGenerator(model, tokenizer, GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id, **sampling))
+def benchmark_dialogues(args: EvalArguments) -> rollout.DialogueArguments:
+    """The benchmark's dialogues: SAGE's start and judged-reply limit, our sentient prompt, the tested
+    model's budgets (the change bound is the simulator's, --change_bound)."""
+    return rollout.DialogueArguments(
+        think=args.think, start_emotion=simulator.BENCHMARK_START_EMOTION, max_turns=simulator.BENCHMARK_MAX_TURNS,
+        max_think_tokens=args.max_think_tokens, max_reply_tokens=args.max_reply_tokens,
+        max_dialogue_tokens=args.max_dialogue_tokens, policy_prompt="sentient", simulator_concurrency=args.batch_size)
 
 
 def play_local(args, simulator_args, chat, profiles, done: set, output: Path, progress) -> None:
@@ -329,16 +234,15 @@ def play_local(args, simulator_args, chat, profiles, done: set, output: Path, pr
     and each is seeded by its index, so a resumed run plays what the uninterrupted run would have."""
     import torch
 
-    rollout.use_all_cpu_cores()
-    folder, tokenizer = load_tokenizer(args)
-    runner = rollout.DialogueRunner(tokenizer, benchmark_config(simulator_args, args), chat)
+    common.use_all_cpu_cores()
+    folder, tokenizer = rollout.load_tokenizer(args)
+    runner = rollout.DialogueRunner(tokenizer, benchmark_dialogues(args), simulator_args, chat)
     lost = []  # scenarios whose simulated user failed past its retries: not written, so a rerun plays them
     try:
         for profile in profiles:  # a --max_dialogue_tokens too small for a prompt fails before the weights load
             runner.prompt_ids(profile, profile.first_talk)
-        if chat is not None:  # a wrong URL, key or model name fails now, before the weights load
-            runner.loop.run_until_complete(chat.check())  # on the loop that will use its connections
-        generate = load_generator(args, folder, tokenizer)
+        runner.check_chat()  # a wrong URL, key or model name fails now, before the weights load
+        generate = rollout.load_generator(args, folder, tokenizer)
         for index in range(0, len(profiles), args.batch_size):
             batch = [p for p in profiles[index:index + args.batch_size] if p.id not in done]
             if not batch:
@@ -360,7 +264,7 @@ def play_local(args, simulator_args, chat, profiles, done: set, output: Path, pr
 async def play_endpoint(args, simulator_args, chat, profiles, done: set, output: Path, progress) -> None:
     """Scenarios concurrently (at most batch_size at once) against an OpenAI-compatible endpoint; the
     model sees the system prompt and the dialogue's messages, never its own earlier thinking."""
-    client = simulator.ChatClient(args.model_base_url, args.model, args.model_api_key_env,
+    client = common.ChatClient(args.model_base_url, args.model, args.model_api_key_env,
                                   temperature=args.temperature,
                                   max_tokens=args.max_reply_tokens + (args.max_think_tokens if args.think else 0),
                                   role="tested-model")
@@ -371,7 +275,7 @@ async def play_endpoint(args, simulator_args, chat, profiles, done: set, output:
 
     async def play(index, profile):
         async with gate:
-            user = new_simulator(profile, chat, simulator_args)
+            user = rollout.new_simulator(profile, chat, benchmark_dialogues(args), simulator_args)
             system = rollout.policy_system_prompt(simulator_args.language or profile.language, args.think, "sentient",
                                                   simulator_args.official("policy_prompts"))
             messages = [{"role": "system", "content": system}, {"role": "user", "content": await user.open()}]
@@ -394,14 +298,14 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
     profiles = simulator.load_profiles(args.profiles, require_first_talk=True)[:args.limit]
     simulator.check_backend(profiles, simulator_args)
     output = Path(args.output) if args.output else default_output(args)
-    simulator.check_output_file(output, "output")  # its folder is made with the first row written
+    common.check_output_file(output, "output")  # its folder is made with the first row written
     done = finished_ids(output)
     unknown = done - {p.id for p in profiles}
     if unknown:
         raise ResultFileError(f"{output} holds results for scenarios not in {args.profiles} (e.g. "
                               f"{sorted(unknown)[0]}); choose another --output")
     if len(done) < len(profiles):
-        check_local_model(args)
+        common.check_local_model(args)
         chat = simulator.make_chat(simulator_args)
         points = []
         with rollout.DialogueProgress(len(profiles), len(done), "scenarios") as bar:
@@ -426,7 +330,7 @@ def main(argv=None) -> None:
     parser = HfArgumentParser((EvalArguments, simulator.SimulatorArguments), description=__doc__.split("\n")[0])
     try:
         args, simulator_args = parser.parse_args_into_dataclasses(argv)
-    except simulator.ArgumentError as error:
+    except common.ArgumentError as error:
         parser.error(str(error))
     try:
         if args.rescore:
@@ -437,7 +341,7 @@ def main(argv=None) -> None:
                 print(format_summary(summary, path))
             return
         summary = evaluate(args, simulator_args)
-    except (simulator.InputError, simulator.SimulatorError) as error:
+    except (common.InputError, common.EndpointError) as error:
         sys.exit(f"error: {error}")
     print(format_summary(summary, f"Sentient benchmark: {summary['results']} ({args.model}"
                                   f"{', think' if args.think else ''}; {simulator_args.backend} simulator)"))

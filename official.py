@@ -51,7 +51,8 @@ RLVER_USER = "RLVER/code/verl/workers/rollout/vllm_rollout/hard_player_simulator
 RLVER_POLICY = "RLVER/code/verl/workers/rollout/vllm_rollout/system_prompt.py"
 RLVER_TARGET = "eq"  # RLVER's training users are made with generate_role("eq")
 MAPPING = {"user": "你", "assistant": "NPC"}  # the official role names, from the user's side
-OPENING_PLANNING = "请你以一个简短的回复开启倾诉"  # what the reply prompt gets before there is an analysis
+# what the reply prompt gets before there is an analysis
+OPENING_PLANNING = "请你以一个简短的回复开启倾诉"
 OPENING_HISTORY = "对话开始，你是玩家，请你先发起话题，用简短的回复开启倾诉"
 SAGE_CHANGE_BOUND = 10
 GOODBYES = ("再见", "拜拜")  # test_npc.py ends a dialogue when the user's message contains either
@@ -201,9 +202,11 @@ class OfficialPrompts:
     def planning_text(self, planning: dict) -> str:
         """The analysis as the reply prompt shows it (its {{planning}})."""
         if self.source == "sage":
-            return ("对NPC回复的客观分析：\n" + planning["TargetCompletion"] + "\n对NPC回复的主观分析：\n"
+            return ("对NPC回复的客观分析：\n" + planning["TargetCompletion"]
+                    + "\n对NPC回复的主观分析：\n"
                     + planning["activity"] + planning["analyse"])
-        return "对NPC回复的客观分析：\n" + planning["reason"] + "\n对NPC回复的主观分析：\n" + planning["analyse"]
+        return ("对NPC回复的客观分析：\n" + planning["reason"]
+                + "\n对NPC回复的主观分析：\n" + planning["analyse"])
 
     # --- the reply call (player_reply) ------------------------------------------------------------
 
@@ -212,7 +215,8 @@ class OfficialPrompts:
         `planning_text` None for the opening (no analysis yet)."""
         prompt = self.reply.replace("{{planning}}", OPENING_PLANNING if planning_text is None else planning_text)
         prompt = prompt.replace("{{target}}", self.target).replace("{{emotion}}", state)
-        persona = lambda text: text.replace("{{player_type}}", profile.player).replace("{{player_topic}}", profile.scene)
+        persona = lambda text: text.replace("{{player_type}}", profile.player).replace(
+            "{{player_topic}}", profile.scene)
         if self.source == "sage":
             prompt = persona(prompt)
         if history:
@@ -257,6 +261,7 @@ def load(source: str, repo: str) -> OfficialPrompts:
             {False: _take(folder, SAGE_POLICY, "call_npc", "role_system")})
     return OfficialPrompts(
         "rlver", _take(folder, RLVER_USER, "planning_reply", "template"),
-        _take(folder, RLVER_USER, "player_reply", "template"), _take(folder, RLVER_USER, None, "target_prompt")[RLVER_TARGET],
+        _take(folder, RLVER_USER, "player_reply", "template"),
+        _take(folder, RLVER_USER, None, "target_prompt")[RLVER_TARGET],
         {False: _take(folder, RLVER_POLICY, None, "system_prompt_train_unthink"),
          True: _take(folder, RLVER_POLICY, None, "system_prompt_train_think")})

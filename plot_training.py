@@ -22,7 +22,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import simulator
+import common
 
 EDGE_SHARE = 0.2  # compare the first and the last 20% of steps
 SMOOTHING = 5  # steps in the moving average drawn over the per-step means
@@ -33,10 +33,10 @@ def transcript_files(run_dir: Path) -> list[Path]:
     """<run>/transcripts.jsonl and transcripts.rankN.jsonl (one per rank)."""
     if not run_dir.is_dir():
         state = "a file" if run_dir.exists() else "not found"
-        raise simulator.InputError(f"{run_dir}: {state}; give the output_dir of a train_grpo.py/train_ppo.py run")
+        raise common.InputError(f"{run_dir}: {state}; give the output_dir of a train_grpo.py/train_ppo.py run")
     files = sorted(run_dir.glob("transcripts.jsonl")) + sorted(run_dir.glob("transcripts.rank*.jsonl"))
     if not files:
-        raise simulator.InputError(f"{run_dir}: no transcripts.jsonl (is this a train_grpo.py/train_ppo.py output_dir?)")
+        raise common.InputError(f"{run_dir}: no transcripts.jsonl (is this a train_grpo.py/train_ppo.py output_dir?)")
     return files
 
 
@@ -45,13 +45,13 @@ def step_means(run_dir: Path) -> dict[int, float]:
     finals = defaultdict(list)
     files = transcript_files(run_dir)
     for path in files:
-        for _, where, row in simulator.json_lines(path, "transcript", skip_cut_last_line=True):
+        for _, where, row in common.json_lines(path, "transcript", skip_cut_last_line=True):
             if not (isinstance(row, dict) and _is_number(row.get("step")) and _is_number(row.get("emo_point"))):
-                raise simulator.InputError(f"{where}: a transcript row needs numbers 'step' and 'emo_point'; "
+                raise common.InputError(f"{where}: a transcript row needs numbers 'step' and 'emo_point'; "
                                            "is it a train_grpo.py/train_ppo.py transcript?")
             finals[row["step"]].append(row["emo_point"])
     if not finals:
-        raise simulator.InputError(f"{', '.join(map(str, files))}: no transcript rows (empty?); nothing to plot")
+        raise common.InputError(f"{', '.join(map(str, files))}: no transcript rows (empty?); nothing to plot")
     return {step: statistics.mean(values) for step, values in sorted(finals.items())}
 
 
@@ -124,7 +124,8 @@ def main(argv=None) -> None:
     parser.add_argument("runs", nargs="*", type=Path, help="output_dir of each run")
     parser.add_argument("--arm", nargs="+", action="append", default=[], metavar=("LABEL", "RUN"),
                         help="a label and the output_dirs of its seeds (repeat for each arm)")
-    parser.add_argument("--out", type=Path, help=f"the PNG file (default: {DEFAULT_PLOT_NAME} in the first run's folder)")
+    parser.add_argument("--out", type=Path,
+                        help=f"the PNG file (default: {DEFAULT_PLOT_NAME} in the first run's folder)")
     parser.add_argument("--title", default="Mean final emotion per step")
     args = parser.parse_args(argv)
     if any(len(arm) < 2 for arm in args.arm):
@@ -137,15 +138,16 @@ def main(argv=None) -> None:
     try:
         # Every run is read, and the plot path checked, before the table is printed or matplotlib loads.
         all_means = {run_dir: step_means(run_dir) for run_dir in runs}
-        simulator.check_output_file(out, "out")
-    except simulator.InputError as error:
+        common.check_output_file(out, "out")
+    except common.InputError as error:
         sys.exit(f"error: {error}")
     all_edges = {run_dir: compare_edges(means) for run_dir, means in all_means.items()}
     print("| run | steps | first 20% | last 20% | difference |")
     print("|---|---|---|---|---|")
     for run_dir, edges in all_edges.items():
         print(f"| {run_dir.name} | {edges['steps']} | {edges['first']:.1f} +- {edges['first_se']:.1f} | "
-              f"{edges['last']:.1f} +- {edges['last_se']:.1f} | {edges['difference']:+.1f} +- {edges['difference_se']:.1f} |")
+              f"{edges['last']:.1f} +- {edges['last_se']:.1f} | "
+              f"{edges['difference']:+.1f} +- {edges['difference_se']:.1f} |")
     curves = {f"{run_dir.name} ({edges['first']:.1f} -> {edges['last']:.1f})":
               (list(all_means[run_dir]), list(all_means[run_dir].values()), None)
               for run_dir, edges in all_edges.items() if run_dir in args.runs}

@@ -26,13 +26,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import common
 import simulator
 
 OUTCOMES = ("success", "failure", "other", "simulator failed")
 COLORS = ("#2b6cb0", "#dd6b20")  # run A, run B
 
 
-class ReportError(simulator.InputError):
+class ReportError(common.InputError):
     """An input that is not a transcript or result file."""
 
 
@@ -48,7 +49,7 @@ def read_rows(path: Path) -> list[dict]:
         raise ReportError(f"{path}: no such result file, and no transcripts*.jsonl in it")
     rows = []
     for file in files:
-        parsed_lines = simulator.json_lines(file, "transcript or result file", ReportError, skip_cut_last_line=True)
+        parsed_lines = common.json_lines(file, "transcript or result file", ReportError, skip_cut_last_line=True)
         for _, where, row in parsed_lines:
             if not isinstance(row, dict) or not isinstance(row.get("history"), list) or "id" not in row:
                 raise ReportError(f"{where}: a row needs 'id' and a 'history' list")
@@ -66,7 +67,8 @@ def dialogue_view(row: dict) -> dict:
     if row.get("end_reason") == "simulator_failed":
         outcome = "simulator failed"
     else:
-        outcome = "success" if final >= simulator.FAREWELL_AT else "failure" if final < simulator.GIVE_UP_BELOW else "other"
+        outcome = ("success" if final >= simulator.FAREWELL_AT
+                   else "failure" if final < simulator.GIVE_UP_BELOW else "other")
     task = str(row.get("task", ""))
     personality = str(row.get("main_cha", ""))
     return {"id": str(row["id"]), "step": row.get("step"), "final": final, "trajectory": trajectory,
@@ -179,7 +181,8 @@ def summary_table(names: list[str], figures: list[dict]) -> str:
         head += "<th>B - A</th>"
     rows = []
     for key in figures[0]:
-        cells = "".join(f"<td>{f[key]:.1f}</td>" if isinstance(f[key], float) else f"<td>{f[key]}</td>" for f in figures)
+        cells = "".join(f"<td>{f[key]:.1f}</td>" if isinstance(f[key], float) else f"<td>{f[key]}</td>"
+                        for f in figures)
         if len(figures) == 2:
             cells += f"<td>{figures[1][key] - figures[0][key]:+.1f}</td>"
         rows.append(f"<tr><th>{html.escape(key)}</th>{cells}</tr>")
@@ -195,7 +198,8 @@ def conversation(view: dict) -> str:
             thought = message.get("think")
             folded = (f'<details class="think"><summary>thought</summary>{html.escape(str(thought))}</details>'
                       if thought else "")
-            parts.append(f'<div class="msg policy"><div class="who">policy</div>{folded}<div class="text">{text}</div></div>')
+            parts.append(f'<div class="msg policy"><div class="who">policy</div>{folded}'
+                         f'<div class="text">{text}</div></div>')
         else:
             emotion = message.get("emotion-point", "")
             change = f' ({int(message["change"]):+d})' if "change" in message else ""
@@ -216,7 +220,8 @@ def dialogue_block(view: dict, expanded: bool) -> str:
     summary = (f"{step}{html.escape(view['id'])} &middot; {html.escape(view['intention'])} &middot; "
                f"{html.escape(view['personality'])} &middot; {start} &rarr; <b>{view['final']}</b> &middot; "
                f"{html.escape(view['outcome'])}")
-    return (f'<details class="dialogue" {_filter_attributes(view)}{" open" if expanded else ""}><summary>{summary}</summary>'
+    return (f'<details class="dialogue" {_filter_attributes(view)}{" open" if expanded else ""}>'
+            f'<summary>{summary}</summary>'
             f'<div class="body">{trajectory_chart([view["trajectory"]])}{conversation(view)}</div></details>')
 
 
@@ -246,14 +251,16 @@ def filters(views: list[dict]) -> str:
     for name in ("intention", "personality", "outcome"):
         values = sorted({str(v[name]) for v in views})
         options = "".join(f'<option value="{html.escape(v)}">{html.escape(v)}</option>' for v in values)
-        selects.append(f'<label>{name} <select data-filter="{name}"><option value="">all</option>{options}</select></label>')
+        selects.append(f'<label>{name} <select data-filter="{name}">'
+                       f'<option value="">all</option>{options}</select></label>')
     return f'<div class="filters">{" ".join(selects)} <span id="shown"></span></div>'
 
 
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#1a202c;max-width:1200px}
 h1{font-size:22px} h2{font-size:17px;margin-top:28px} h4{margin:4px 0}
-table.summary{border-collapse:collapse} table.summary td,table.summary th{border:1px solid #cbd5e0;padding:4px 10px;text-align:right}
+table.summary{border-collapse:collapse} \
+table.summary td,table.summary th{border:1px solid #cbd5e0;padding:4px 10px;text-align:right}
 .chart .grid{stroke:#e2e8f0} .chart .axis{stroke:#a0aec0} .chart .tick{font-size:10px;fill:#4a5568}
 .legend{font-size:12px} .filters{margin:10px 0;position:sticky;top:0;background:#fff;padding:6px 0}
 details.dialogue{border:1px solid #e2e8f0;border-radius:6px;margin:6px 0;padding:4px 8px}
@@ -269,7 +276,8 @@ SCRIPT = """
 function applyFilters(){
   const chosen={};document.querySelectorAll('select[data-filter]').forEach(s=>{chosen[s.dataset.filter]=s.value;});
   let shown=0;const all=document.querySelectorAll('details.dialogue');
-  all.forEach(d=>{const hide=Object.keys(chosen).some(k=>chosen[k]&&d.dataset[k]!==chosen[k]);d.hidden=hide;if(!hide)shown++;});
+  all.forEach(d=>{const hide=Object.keys(chosen).some(k=>chosen[k]&&d.dataset[k]!==chosen[k]);\
+d.hidden=hide;if(!hide)shown++;});
   document.getElementById('shown').textContent=shown+' of '+all.length+' shown';
 }
 document.querySelectorAll('select[data-filter]').forEach(s=>s.addEventListener('change',applyFilters));
@@ -310,7 +318,8 @@ def compare_report(path_a: Path, path_b: Path) -> str:
     sections = [f'<p>A = <span style="color:{COLORS[0]}">{html.escape(str(path_a))}</span>, B = '
                 f'<span style="color:{COLORS[1]}">{html.escape(str(path_b))}</span>: {len(shared)} shared dialogues'
                 f'{f", {only} in one run only (left out)" if only else ""}.</p>',
-                summary_table(["A", "B"], [summary_figures([a for a, _ in pairs]), summary_figures([b for _, b in pairs])]),
+                summary_table(["A", "B"], [summary_figures([a for a, _ in pairs]),
+                                           summary_figures([b for _, b in pairs])]),
                 "<h2>Final emotions</h2>", histogram([[a["final"] for a, _ in pairs], [b["final"] for _, b in pairs]]),
                 f"<h2>Pairs ({len(pairs)}), largest difference first</h2>", filters([b for _, b in pairs]),
                 *(pair_block(a, b, expanded=index == 0) for index, (a, b) in enumerate(pairs))]
@@ -324,7 +333,8 @@ def screenshot(html_path: Path, png_path: Path, width: int = 1280, height: int =
     if browser is None:
         raise ReportError("--screenshot needs Chromium (Debian: apt install chromium); the report itself was written")
     subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--window-size={width},{height}", f"--screenshot={png_path.resolve()}", html_path.resolve().as_uri()],
+                    f"--window-size={width},{height}", f"--screenshot={png_path.resolve()}",
+                    html_path.resolve().as_uri()],
                    check=True, capture_output=True, timeout=120)
 
 
@@ -340,7 +350,7 @@ def main(argv=None) -> None:
         parser.error("give one run, or --compare A B")
     try:
         if args.out is not None:  # checked before the runs are read; the folder is made when writing
-            simulator.check_output_file(args.out, "out")
+            common.check_output_file(args.out, "out")
         if args.compare:
             text = compare_report(*args.compare)
             first = args.compare[1]
@@ -356,7 +366,7 @@ def main(argv=None) -> None:
             args.screenshot.parent.mkdir(parents=True, exist_ok=True)
             screenshot(out, args.screenshot)
             print(f"wrote {args.screenshot}")
-    except simulator.InputError as error:
+    except common.InputError as error:
         sys.exit(f"error: {error}")
 
 

@@ -27,11 +27,14 @@ Difference from the paper: the policy keeps its own earlier thoughts in its cont
 dialogue is one training row whose tokens are exactly the sampled ones; the paper removed earlier
 thoughts and trained each policy turn as its own row.
 
+Every dialogue knob is a field of `DialogueArguments` (below), a flag of both trainers.
+
 Budgets are in tokens: per policy turn `max_think_tokens` and `max_reply_tokens`, and at most
 `max_dialogue_tokens` for prompt plus completion; a dialogue that cannot fit another user message
 and a minimal turn ends with reason "token_budget".
 
-Generation backends: `TransformersGenerator` (model.generate, CPU or GPU); inside TRL training with
+Generation backends: `TransformersGenerator` (model.generate, CPU or GPU; `--prefix_cache false` turns off
+its reuse of the previous turn's key-value cache); inside TRL training with
 `use_vllm`, `VLLMGenerator` over `trainer.vllm_generation`; elsewhere (train_ppo.py),
 `VLLMServerGenerator` over `trl vllm-serve`; for evaluation, `VLLMEngineGenerator` (an in-process
 engine). The vLLM ones are rehearsed on CPU against a fake vLLM (tests/fake_vllm), not yet run on a GPU.
@@ -49,9 +52,9 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+import common
 import simulator
 
-PROMPTS_DIR = simulator.PROMPTS_DIR
 # transformers 5.24 renamed generate's `past_key_values` (argument and output field) to `cache`; the GPU set
 # (requirements-gpu.txt) has 5.17, which vLLM 0.31 requires. Both are tested.
 GENERATE_CACHE_NAME = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
@@ -61,37 +64,28 @@ END_REASONS = ("farewell", "gave_up", "goodbye", "turn_limit", "token_budget", "
 
 
 @dataclass
-class RolloutConfig:
-    think: bool = False  # think-then-say: <think>...</think> before each reply
-    max_turns: int = simulator.TRAIN_MAX_TURNS  # policy turns per dialogue (paper: 8)
-    max_think_tokens: int = 1024  # thinking tokens per policy turn, think mode (paper: up to ~5k per turn in all)
-    max_reply_tokens: int = 512  # reply tokens per policy turn
-    max_dialogue_tokens: int = 8192  # prompt + completion tokens per dialogue
-    format_penalty: float = 0.0  # taken off the reward of a dialogue with a think-format violation
-    simulator_concurrency: int = 64  # dialogues whose simulator is answering at once (two calls each, in turn)
-    start_emotion: int = simulator.TRAIN_START_EMOTION
-    variant: str = "vanilla"
-    change_bound: int = simulator.CHANGE_BOUND
-    language: str | None = None  # simulator prompt language; default: the profile's
-    policy_prompt: str = "policy"  # the policy's system prompt: prompts/<language>/<name>[_think].txt
-    simulator_prompts: "official.OfficialPrompts | None" = None  # the released code's user prompts (None: ours)
-    policy_prompts: "official.OfficialPrompts | None" = None  # the released code's policy prompt (None: ours)
-
-
-@dataclass
 class DialogueArguments:
-    """Who the policy talks to, and for how long: the dialogue options of train_grpo.py and train_ppo.py
-    (defaults: the offline CPU demo)."""
+    """Every dialogue knob, in one place: who the policy talks to, for how long, with what budgets. The
+    options of train_grpo.py and train_ppo.py (flags or --config keys), and what the runner reads;
+    eval_sentient.py sets the benchmark's. The simulated user's own knobs (backend, variant, change bound,
+    language, prompts) are simulator.SimulatorArguments. Defaults: the offline CPU demo, paper's in the help."""
 
     think: bool = field(default=False, metadata={"help": "think-then-say: <think>...</think> before each reply"})
     profiles: str = field(default=str(simulator.DEFAULT_PROFILES), metadata={"help": "training profiles (JSON Lines)"})
+    start_emotion: int = field(default=simulator.TRAIN_START_EMOTION, metadata={
+        "help": "the simulated user's emotion at the opening (paper: 30 in training; the benchmark: 40)"})
     max_turns: int = field(default=2, metadata={"help": "policy turns per dialogue (paper: 8; demo: 2 for CPU time)"})
     max_think_tokens: int = field(default=16, metadata={"help": "thinking tokens per turn (paper: up to ~5k a turn)"})
     max_reply_tokens: int | None = field(default=None, metadata={
         "help": "reply tokens per turn; default 48, or 32 with --think so that a demo turn samples at most 48 "
                 "tokens either way (paper: up to ~5k a turn)"})
     max_dialogue_tokens: int = field(default=1024, metadata={"help": "prompt + completion tokens per dialogue"})
-    format_penalty: float = field(default=0.0, metadata={"help": "subtracted from the reward of a dialogue with a think-format violation"})
+    format_penalty: float = field(default=0.0, metadata={
+        "help": "subtracted from the reward of a dialogue with a think-format violation"})
+    policy_prompt: str = field(default="policy", metadata={
+        "help": "the policy's system prompt: prompts/<language>/<name>[_think].txt"})
+    prefix_cache: bool = field(default=True, metadata={
+        "help": "transformers generation: reuse the previous turn's key-value cache (same samples, faster)"})
     # A vLLM server batches hundreds of requests at once: the cap is for rate-limited commercial APIs.
     simulator_concurrency: int = field(default=64, metadata={
         "help": "dialogues whose simulated user answers at once (its analysis call, then its reply call)"})
@@ -99,23 +93,14 @@ class DialogueArguments:
         "help": "stop (after saving) when more of a step's dialogues than this lose their simulator"})
 
     def __post_init__(self):
-        simulator.check_options(
-            self, max_turns=simulator.AT_LEAST_ONE, max_think_tokens=simulator.AT_LEAST_ONE,
-            max_reply_tokens=(lambda value: value is None or value >= 1, "at least 1"),
-            max_dialogue_tokens=simulator.AT_LEAST_ONE, format_penalty=simulator.NOT_NEGATIVE,
-            simulator_concurrency=simulator.AT_LEAST_ONE, max_failed_share=simulator.FRACTION)
-
-
-def rollout_config(dialogue_args: DialogueArguments, simulator_args: simulator.SimulatorArguments) -> RolloutConfig:
-    """The rollout settings from the scripts' arguments; the reply budget defaults to 48 tokens, or
-    32 with think (16 thinking + 32 reply), so a demo turn samples at most 48 tokens either way."""
-    reply_tokens = dialogue_args.max_reply_tokens or (32 if dialogue_args.think else 48)
-    return RolloutConfig(
-        think=dialogue_args.think, max_turns=dialogue_args.max_turns, max_think_tokens=dialogue_args.max_think_tokens,
-        max_reply_tokens=reply_tokens, max_dialogue_tokens=dialogue_args.max_dialogue_tokens,
-        format_penalty=dialogue_args.format_penalty, simulator_concurrency=dialogue_args.simulator_concurrency,
-        variant=simulator_args.variant, change_bound=simulator_args.change_bound, language=simulator_args.language,
-        simulator_prompts=simulator_args.official("simulator_prompts"), policy_prompts=simulator_args.official("policy_prompts"))
+        if self.max_reply_tokens is None:  # 16 thinking + 32 reply tokens: a demo turn samples 48 either way
+            self.max_reply_tokens = 32 if self.think else 48
+        common.check_options(
+            self, start_emotion=(lambda value: 0 <= value <= simulator.MAX_EMOTION,
+                                 f"within 0-{simulator.MAX_EMOTION}"),
+            max_turns=common.AT_LEAST_ONE, max_think_tokens=common.AT_LEAST_ONE, max_reply_tokens=common.AT_LEAST_ONE,
+            max_dialogue_tokens=common.AT_LEAST_ONE, format_penalty=common.NOT_NEGATIVE,
+            simulator_concurrency=common.AT_LEAST_ONE, max_failed_share=common.FRACTION)
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,7 +111,7 @@ def policy_system_prompt(language: str, think: bool, name: str = "policy", offic
     """Ours from prompts/ (stripped), or the released code's as it is (`official.OfficialPrompts`)."""
     if official_prompts is not None:
         return official_prompts.policy_prompt(think)
-    path = PROMPTS_DIR / language / (f"{name}_think.txt" if think else f"{name}.txt")
+    path = common.PROMPTS_DIR / language / (f"{name}_think.txt" if think else f"{name}.txt")
     return path.read_text(encoding="utf-8").strip()
 
 
@@ -214,33 +199,26 @@ def _as_list(value):
 # --------------------------------------------------------------------------------------------
 
 class TransformersGenerator:
-    """Batched sampling with `model.generate` over left-padded contexts.
+    """Batched sampling with `model.generate` over left-padded contexts. A generator serves one set of
+    weights: make a new one after every update (the training scripts make one per rollout).
 
-    Prefix cache: a multi-turn rollout calls the generator once per phase and turn, and each new
-    context extends one the previous call saw (its sampled tokens, then inserted ones). The key and
-    value cache of the previous call is kept, and each new row reuses the longest prefix it shares
-    with an old row: only the new tokens are prefilled. The old row's other columns (padding, tokens
-    cut off or sampled after its end) stay in the cache as masked-out holes; position ids come from
-    the attention mask, so every kept token keeps its position. The sampling distribution is that of
-    a fresh prefill (a test compares greedy runs). A generator serves one set of weights: make a new
-    one after every update (the training scripts make one per rollout)."""
+    With `prefix_cache` (on by default; off: every call prefills its contexts afresh) the key-value cache
+    of each call is kept for the next: a multi-turn rollout calls the generator once per phase and turn,
+    and each new context extends one the previous call saw (PrefixCache)."""
 
-    def __init__(self, model, tokenizer, generation_config):
+    def __init__(self, model, tokenizer, generation_config, prefix_cache: bool = True):
         self.model, self.tokenizer, self.generation_config = model, tokenizer, generation_config
         self.eos_ids = {tokenizer.eos_token_id} | set(_as_list(generation_config.eos_token_id))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.cached = None  # (cache, input ids fed, their attention mask, cached real tokens of each row)
+        self.prefix_cache = PrefixCache() if prefix_cache else None
 
     @torch.no_grad()
     def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
         if not contexts:
             return [], None
         device = next(self.model.parameters()).device
-        cache, input_ids, attention_mask = self._reuse(contexts)
-        if cache is None:  # a fresh prefill of left-padded contexts
-            width = max(len(c) for c in contexts)
-            input_ids = torch.tensor([[self.pad_id] * (width - len(c)) + c for c in contexts])
-            attention_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
+        reused = self.prefix_cache.reuse(contexts, self.pad_id) if self.prefix_cache else None
+        cache, input_ids, attention_mask = reused or (None, *left_padded(contexts, self.pad_id))
         config = copy.deepcopy(self.generation_config)
         config.max_new_tokens = max(max_new_tokens)
         config.stop_strings = [stop] if stop else None
@@ -248,17 +226,36 @@ class TransformersGenerator:
         output = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                      generation_config=config, tokenizer=self.tokenizer,
                                      **{GENERATE_CACHE_NAME: cache})
-        width = input_ids.shape[1]
         sampled = []
-        for row, limit in zip(output.sequences[:, width:].tolist(), max_new_tokens):
+        for row, limit in zip(output.sequences[:, input_ids.shape[1]:].tolist(), max_new_tokens):
             row = row[:limit]
             ends = [i for i, token in enumerate(row) if token in self.eos_ids]
             sampled.append(row[:ends[0] + 1] if ends else row)  # up to and including the first end token
-        self._remember(output, attention_mask.to(device), contexts, sampled)
+        if self.prefix_cache:
+            self.prefix_cache.remember(output, attention_mask.to(device), contexts, sampled)
         return sampled, None
 
-    def _remember(self, output, attention_mask, contexts, sampled) -> None:
-        """Keep the cache for the next call if it is a plain one (full attention, no sliding window)."""
+
+def left_padded(contexts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) of contexts padded on the left to the longest (0 = padding)."""
+    width = max(len(context) for context in contexts)
+    input_ids = torch.tensor([[pad_id] * (width - len(c)) + c for c in contexts])
+    attention_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
+    return input_ids, attention_mask
+
+
+class PrefixCache:
+    """The key and value cache of a generator's previous call, reused by the next: each new row continues
+    the old row sharing its longest prefix, so only the new tokens are prefilled. The old row's other
+    columns (padding, tokens cut off or sampled after its end) stay in the cache as masked-out holes;
+    position ids come from the attention mask, so every kept token keeps its position. The sampling
+    distribution is that of a fresh prefill (a test compares greedy runs)."""
+
+    def __init__(self):
+        self.cached = None  # (cache, input ids fed, their attention mask, cached real tokens of each row)
+
+    def remember(self, output, attention_mask, contexts, sampled) -> None:
+        """Keep the call's cache for the next call if it is a plain one (full attention, no sliding window)."""
         cache = getattr(output, GENERATE_CACHE_NAME)
         if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
             self.cached = None
@@ -274,11 +271,11 @@ class TransformersGenerator:
             tokens.append(context + kept)
         self.cached = (cache, fed, mask, tokens)
 
-    def _reuse(self, contexts):
-        """(cache, input ids, attention mask) continuing the previous call's cache, or Nones when too
+    def reuse(self, contexts, pad_id: int):
+        """(cache, input ids, attention mask) continuing the previous call's cache, or None when too
         little of the new contexts (under half their tokens) is already cached."""
         if self.cached is None:
-            return None, None, None
+            return None
         cache, fed, mask, tokens = self.cached
         self.cached = None  # the cache is extended in place by the next generate call: use it once
         matches = []
@@ -287,18 +284,15 @@ class TransformersGenerator:
             best = max(range(len(tokens)), key=shared.__getitem__)
             matches.append((best, min(shared[best], len(context) - 1)))
         if sum(n for _, n in matches) * 2 < sum(len(c) for c in contexts):
-            return None, None, None
+            return None
         rows = torch.tensor([best for best, _ in matches])
         cache.batch_select_indices(rows.to(fed.device))
         fed, mask = fed[rows].clone(), mask[rows].clone()
-        new = [context[n:] for context, (_, n) in zip(contexts, matches)]
-        width = max(len(ids) for ids in new)
         for row, (best, n) in enumerate(matches):
             columns = mask[row].nonzero().flatten()
             mask[row, columns[n:]] = 0  # cached columns past the shared prefix become holes
-        input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in new], device=fed.device)
-        new_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in new], device=fed.device)
-        return cache, torch.cat([fed, input_ids], dim=1), torch.cat([mask, new_mask], dim=1)
+        new_ids, new_mask = left_padded([context[n:] for context, (_, n) in zip(contexts, matches)], pad_id)
+        return cache, torch.cat([fed, new_ids.to(fed.device)], dim=1), torch.cat([mask, new_mask.to(fed.device)], dim=1)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -429,8 +423,36 @@ class VLLMEngineGenerator:
         return [list(output.outputs[0].token_ids) for output in outputs], None
 
 
+def load_tokenizer(args):
+    """(folder, tokenizer) of the tested local model: the folder from loadable_model. The tokenizer comes
+    first, so the dialogue runner and the simulator's endpoint are checked before the weights load."""
+    from transformers import AutoTokenizer
+
+    folder = common.loadable_model(args.model)
+    return folder, AutoTokenizer.from_pretrained(folder)
+
+
+def load_generator(args, folder: str, tokenizer):
+    """`generate` for the tested local model (load_tokenizer's folder and tokenizer): an in-process vLLM
+    engine with --use_vllm (the transformers model is never loaded then: the engine wants its share of
+    the GPU), else transformers, on the GPU if there is one. Both sample from torch's RNG state, which
+    the callers seed per batch."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if args.use_vllm:
+        return VLLMEngineGenerator(folder, args.temperature, args.top_p, args.seed)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    if torch.cuda.is_available():
+        model.to("cuda")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
+        if args.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    return TransformersGenerator(model, tokenizer, GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id, **sampling))
+
+
 @contextmanager
-def trainer_generator(trainer):
+def trainer_generator(trainer, prefix_cache: bool = True):
     """The generator to use inside a TRL trainer: vLLM if enabled, else the unwrapped model."""
     if getattr(trainer.args, "use_vllm", False):
         yield VLLMGenerator(trainer)
@@ -439,7 +461,7 @@ def trainer_generator(trainer):
 
     with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
                                      gather_deepspeed3_params=trainer.args.ds3_gather_for_generation) as model:
-        yield TransformersGenerator(model, trainer.processing_class, trainer.generation_config)
+        yield TransformersGenerator(model, trainer.processing_class, trainer.generation_config, prefix_cache)
 
 
 # --------------------------------------------------------------------------------------------
@@ -503,42 +525,52 @@ class Dialogue:
 
     def transcript(self, step: int | None = None) -> dict:
         """A benchmark result row (SAGE format) plus training fields."""
-        return {**self.simulator.result_row(self.think_texts), "step": step, "dialogue_id": self.dialogue_id, "end_reason": self.end_reason,
-                "turns": len(self.reply_texts), "think_texts": self.think_texts,
+        return {**self.simulator.result_row(self.think_texts), "step": step, "dialogue_id": self.dialogue_id,
+                "end_reason": self.end_reason, "turns": len(self.reply_texts), "think_texts": self.think_texts,
                 "format_violations": self.format_violations, "failure": self.failure}
 
 
-def new_simulator(profile, chat, config: RolloutConfig) -> simulator.Simulator:
-    """A fresh simulated user for one dialogue, on the config's start, turn limit, bound and variant."""
-    return simulator.make_simulator(profile, chat, config.simulator_prompts, variant=config.variant,
-                                    start_emotion=config.start_emotion,
-                                    max_turns=config.max_turns, change_bound=config.change_bound,
-                                    language=config.language)
+def new_simulator(profile, chat, dialogue_args: DialogueArguments,
+                  simulator_args: simulator.SimulatorArguments) -> simulator.Simulator:
+    """A fresh simulated user for one dialogue: the dialogue's start and turn limit, the simulator's options."""
+    return simulator.make_simulator(profile, chat, simulator_args.official("simulator_prompts"),
+                                    start_emotion=dialogue_args.start_emotion, max_turns=dialogue_args.max_turns,
+                                    variant=simulator_args.variant, change_bound=simulator_args.change_bound,
+                                    language=simulator_args.language)
 
 
 class DialogueRunner:
-    """Runs batches of dialogues for one policy tokenizer and one simulator set-up.
+    """Runs batches of dialogues for one policy tokenizer, one set of dialogue options and one simulator
+    set-up (`chat`: the simulator's chat transport, None for the rule user).
 
     It owns one event loop for its whole life, so an async HTTP client (the LLM simulator) is
     always used from the loop it was made on."""
 
-    def __init__(self, tokenizer, config: RolloutConfig, chat=None):
+    def __init__(self, tokenizer, args: DialogueArguments, simulator_args: simulator.SimulatorArguments | None = None,
+                 chat=None):
         self.tokenizer = tokenizer
-        self.config = config
+        self.args = args
+        self.simulator_args = simulator_args or simulator.SimulatorArguments()
         self.chat = chat
         self.segments = ChatSegments(tokenizer)
         # The least room a turn needs: a minimal reply, and in think mode the inserted think tags and
         # one token of thought.
         self.min_turn_tokens = MIN_REPLY_TOKENS + (
-            len(self.segments.think_open) + len(self.segments.think_close) + 1 if config.think else 0)
+            len(self.segments.think_open) + len(self.segments.think_close) + 1 if args.think else 0)
         self.loop = asyncio.new_event_loop()
         self._next_id = 0
 
     def close(self) -> None:
         self.loop.close()
 
+    def check_chat(self) -> None:
+        """Fail now, with what to check, when the simulator's endpoint cannot serve (a wrong URL, key or model
+        name), before any model loads; on the loop that will use its connections."""
+        if self.chat is not None:
+            self.loop.run_until_complete(self.chat.check())
+
     def new_simulator(self, profile) -> simulator.Simulator:
-        return new_simulator(profile, self.chat, self.config)
+        return new_simulator(profile, self.chat, self.args, self.simulator_args)
 
     def openings(self, profiles) -> dict[str, str]:
         """Each profile's opening line, made once (first_talk, or the simulator's own opening), so the
@@ -555,17 +587,18 @@ class DialogueRunner:
     def prompt_ids(self, profile, opening: str) -> list[int]:
         """The policy's prompt for a dialogue (system prompt and the user's opening); refused when it leaves
         no room for one turn within max_dialogue_tokens."""
-        c = self.config
-        system = policy_system_prompt(c.language or profile.language, c.think, c.policy_prompt, c.policy_prompts)
+        args, language = self.args, self.simulator_args.language or profile.language
+        system = policy_system_prompt(language, args.think, args.policy_prompt,
+                                      self.simulator_args.official("policy_prompts"))
         prompt_ids = self.segments.prompt_ids(system, opening)
         needed = len(prompt_ids) + self.min_turn_tokens
-        if needed > c.max_dialogue_tokens:
-            raise simulator.InputError(f"--max_dialogue_tokens {c.max_dialogue_tokens}: profile {profile.id} needs "
-                                       f"{needed} tokens for its prompt and a short reply; raise it to at least {needed}")
+        if needed > args.max_dialogue_tokens:
+            raise common.InputError(f"--max_dialogue_tokens {args.max_dialogue_tokens}: profile {profile.id} needs "
+                                    f"{needed} tokens for its prompt and a short reply; raise it to at least {needed}")
         return prompt_ids
 
     async def _run(self, starts, generate) -> list[Dialogue]:
-        c = self.config
+        c = self.args
         dialogues = []
         for profile, opening in starts:
             sim = self.new_simulator(profile)
@@ -591,7 +624,7 @@ class DialogueRunner:
         """One batched generate call for every active dialogue. Think phase: insert <think>, sample
         up to </think>, force-close if needed; returns whether each policy closed its thinking.
         Reply phase: sample up to the end of turn; returns each reply's ids."""
-        c, segments = self.config, self.segments
+        c, segments = self.args, self.segments
         if phase == "think":
             for dialogue in active:
                 dialogue.append(segments.think_open, sampled=False)
@@ -635,9 +668,9 @@ class DialogueRunner:
     def _read_turn(self, dialogue: Dialogue, thought_closed: bool, reply_ids: list[int]) -> None:
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         text = decode(reply_ids)
-        if self.config.think:
+        if self.args.think:
             text = THINK_OPEN + decode(dialogue.thought_ids[-1]) + ("" if thought_closed else THINK_CLOSE) + text
-        thought, reply, well_formed = split_think(text, self.config.think)
+        thought, reply, well_formed = split_think(text, self.args.think)
         dialogue.think_texts.append(thought)
         dialogue.reply_texts.append(reply)
         dialogue.format_violations += not (well_formed and thought_closed)
@@ -649,7 +682,7 @@ class DialogueRunner:
             started = time.perf_counter()
             try:
                 turn = await dialogue.simulator.respond(dialogue.reply_texts[-1])
-            except simulator.SimulatorError as error:
+            except common.EndpointError as error:  # a SimulatorError, or its endpoint's failure
                 # Failed past the client's retries: the dialogue has no trustworthy score. It ends here
                 # and the trainers leave it out of the loss; it is never scored 0 or 100.
                 dialogue.failure, dialogue.end_reason = str(error), "simulator_failed"
@@ -662,7 +695,7 @@ class DialogueRunner:
             dialogue.end_reason = turn.end_reason
             return
         inserted = self.segments.closing_ids(dialogue.completion_ids) + self.segments.user_turn_ids(turn.message)
-        if len(dialogue.context()) + len(inserted) + self.min_turn_tokens > self.config.max_dialogue_tokens:
+        if len(dialogue.context()) + len(inserted) + self.min_turn_tokens > self.args.max_dialogue_tokens:
             dialogue.end_reason = "token_budget"  # the next user message and a reply would not fit
             return
         dialogue.append(inserted, sampled=False)
@@ -673,7 +706,14 @@ class DialogueProgress:
     On a terminal it redraws in place; in a log file it is written once, at the end."""
 
     def __init__(self, total: int, completed: int = 0, description: str = "dialogues", show: bool = True):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("mean emotion {task.fields[mean_emotion]}"), TimeElapsedColumn(),
@@ -691,14 +731,6 @@ class DialogueProgress:
         self.progress.update(self.task, advance=dialogues, mean_emotion=f"{mean_emotion:.1f}")
 
 
-def use_all_cpu_cores() -> None:
-    """`accelerate launch` sets OMP_NUM_THREADS=1 even for a single CPU process, which halves the
-    demo's speed on 2 cores; one process on a CPU-only machine should use every core it may run on
-    (`taskset -c 0 ...` runs two demos side by side, a core each, without their threads competing)."""
-    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
-
-
 # --------------------------------------------------------------------------------------------
 # Results: what TRL's rollout_func returns, metrics, transcripts
 # --------------------------------------------------------------------------------------------
@@ -708,72 +740,82 @@ def reward(final_emotion: int, format_violations: int, format_penalty: float = 0
     return final_emotion / simulator.MAX_EMOTION - (format_penalty if format_violations else 0.0)
 
 
+def dialogue_record(dialogue: Dialogue) -> dict:
+    """What one dialogue reports besides its tokens: the per-row fields TRL hands the reward functions as
+    keyword arguments, and what dialogue_metrics and turn credit read, by these names. A new logged
+    quantity or reward input is one more key here, read by name where it is used."""
+    return {
+        "final_emotion": dialogue.final_emotion,
+        "format_violations": dialogue.format_violations,
+        "turns": len(dialogue.reply_texts),
+        "end_reason": dialogue.end_reason,
+        "think_tokens": dialogue.think_tokens,
+        "reply_tokens": dialogue.reply_tokens,
+        "simulator_seconds": dialogue.simulator_seconds,
+        "emotions": dialogue.emotions,
+        "turn_changes": dialogue.turn_changes,  # for --turn_credit
+        "sampled_turn": dialogue.sampled_turn(),  # for --turn_credit (train_grpo.py)
+        "failed": dialogue.failure is not None,
+        "simulator_calls": asdict(dialogue.simulator.calls),
+    }
+
+
+def dialogue_columns(dialogues: list[Dialogue]) -> dict[str, list]:
+    """The dialogues' records as columns (one list per key), as TRL passes them to the reward functions."""
+    records = [dialogue_record(dialogue) for dialogue in dialogues]
+    return {key: [record[key] for record in records] for key in (records[0] if records else ())}
+
+
 def rollout_output(dialogues: list[Dialogue], with_logprobs: bool) -> dict:
-    """The dict TRL's GRPOTrainer expects from `rollout_func`; keys other than prompt_ids,
-    completion_ids, logprobs and env_mask reach the reward functions as per-row keyword arguments."""
+    """The dict TRL's GRPOTrainer expects from `rollout_func`: the tokens, then the dialogues' records,
+    which reach the reward functions as per-row keyword arguments."""
     return {
         "prompt_ids": [d.prompt_ids for d in dialogues],
         "completion_ids": [d.completion_ids for d in dialogues],
         "logprobs": [d.logprobs for d in dialogues] if with_logprobs else None,
         "env_mask": [d.env_mask for d in dialogues],
-        "final_emotion": [d.final_emotion for d in dialogues],
-        "format_violations": [d.format_violations for d in dialogues],
-        "turns": [len(d.reply_texts) for d in dialogues],
-        "end_reason": [d.end_reason for d in dialogues],
-        "think_tokens": [d.think_tokens for d in dialogues],
-        "reply_tokens": [d.reply_tokens for d in dialogues],
-        "simulator_seconds": [d.simulator_seconds for d in dialogues],
-        "emotions": [d.emotions for d in dialogues],
-        "turn_changes": [d.turn_changes for d in dialogues],  # for --turn_credit (train_grpo.py)
-        "sampled_turn": [d.sampled_turn() for d in dialogues],
-        "failed": [d.failure is not None for d in dialogues],
-        "simulator_calls": [asdict(d.simulator.calls) for d in dialogues],
+        **dialogue_columns(dialogues),
     }
 
 
-def dialogue_metrics(final_emotion, turns, end_reason, format_violations, think_tokens, reply_tokens,
-                     simulator_seconds, emotions, failed, simulator_calls, max_turns: int) -> dict[str, float]:
-    """The fixed set of training metrics (README lists them), from per-dialogue values. Emotions,
-    lengths and formats are over the scored dialogues; `dialogue/ended_simulator_failed` is the
-    share of all dialogues whose simulator failed; the simulator's calls, retries, failed calls and
-    tokens are totals over all dialogues (zero for the rule backend)."""
-    metrics = {f"dialogue/ended_{reason}": sum(r == reason for r in end_reason) / len(end_reason)
+def dialogue_metrics(columns: dict[str, list], max_turns: int) -> dict[str, float]:
+    """The fixed set of training metrics (README lists them), from the columns of dialogue_record (keys
+    it does not read are ignored: TRL's reward keyword arguments hold more). Emotions, lengths and formats
+    are over the scored dialogues; `dialogue/ended_simulator_failed` is the share of all dialogues whose
+    simulator failed; the simulator's calls, retries, failed calls and tokens are totals over all
+    dialogues (zero for the rule backend)."""
+    end_reasons = columns["end_reason"]
+    metrics = {f"dialogue/ended_{reason}": sum(r == reason for r in end_reasons) / len(end_reasons)
                for reason in END_REASONS}
-    calls = simulator.CallStats()
-    for dialogue_calls in simulator_calls:
-        calls.add(simulator.CallStats(**dialogue_calls))
+    calls = common.CallStats()
+    for dialogue_calls in columns["simulator_calls"]:
+        calls.add(common.CallStats(**dialogue_calls))
     metrics.update({"simulator/calls": calls.calls, "simulator/retries": calls.retries,
                     "simulator/failed_calls": calls.failed, "simulator/prompt_tokens": calls.prompt_tokens,
                     "simulator/completion_tokens": calls.completion_tokens})
-    scored = [i for i, lost in enumerate(failed) if not lost]
+    scored = [i for i, lost in enumerate(columns["failed"]) if not lost]
     if not scored:
         return metrics
-    final_emotion, turns, format_violations, think_tokens, reply_tokens, simulator_seconds, emotions = (
-        [values[i] for i in scored] for values in (final_emotion, turns, format_violations, think_tokens,
-                                                   reply_tokens, simulator_seconds, emotions))
-    count = len(scored)
-    policy_turns = max(1, sum(turns))
+
+    def total(key: str):
+        return sum(columns[key][i] for i in scored)
+
+    final_emotions = [columns["final_emotion"][i] for i in scored]
+    count, policy_turns = len(scored), max(1, total("turns"))
     metrics.update({
-        "emotion/final_mean": sum(final_emotion) / count,
-        "emotion/success_rate": sum(e >= simulator.FAREWELL_AT for e in final_emotion) / count,
-        "emotion/failure_rate": sum(e < simulator.GIVE_UP_BELOW for e in final_emotion) / count,
-        "dialogue/turns_mean": sum(turns) / count,
-        "format/violation_rate": sum(format_violations) / policy_turns,
-        "length/think_tokens_per_turn": sum(think_tokens) / policy_turns,
-        "length/reply_tokens_per_turn": sum(reply_tokens) / policy_turns,
-        "simulator/seconds_per_turn": sum(simulator_seconds) / policy_turns,
+        "emotion/final_mean": sum(final_emotions) / count,
+        "emotion/success_rate": sum(e >= simulator.FAREWELL_AT for e in final_emotions) / count,
+        "emotion/failure_rate": sum(e < simulator.GIVE_UP_BELOW for e in final_emotions) / count,
+        "dialogue/turns_mean": total("turns") / count,
+        "format/violation_rate": total("format_violations") / policy_turns,
+        "length/think_tokens_per_turn": total("think_tokens") / policy_turns,
+        "length/reply_tokens_per_turn": total("reply_tokens") / policy_turns,
+        "simulator/seconds_per_turn": total("simulator_seconds") / policy_turns,
     })
+    emotions = [columns["emotions"][i] for i in scored]
     for turn in range(max_turns):  # the emotion trajectory; an ended dialogue keeps its final emotion
         metrics[f"emotion/after_turn_{turn + 1}"] = sum(e[min(turn, len(e) - 1)] for e in emotions) / count
     return metrics
-
-
-def dialogues_metrics(dialogues: list[Dialogue], max_turns: int) -> dict[str, float]:
-    """`dialogue_metrics` for dialogues in hand (the per-row fields come from `rollout_output`)."""
-    fields = rollout_output(dialogues, with_logprobs=False)
-    names = ("final_emotion", "turns", "end_reason", "format_violations", "think_tokens", "reply_tokens",
-             "simulator_seconds", "emotions", "failed", "simulator_calls")
-    return dialogue_metrics(**{name: fields[name] for name in names}, max_turns=max_turns)
 
 
 class TooManySimulatorFailures(simulator.SimulatorError):
@@ -807,12 +849,12 @@ def keep_rows_before(path, step: int, what: str = "transcripts file") -> int:
         return 0
     kept, dropped = [], 0
     try:
-        rows = list(simulator.json_lines(path, what, skip_cut_last_line=True))
-    except simulator.InputError as error:
-        raise simulator.InputError(f"{error}; mend or delete that line, then resume again (nothing was changed)") from None
+        rows = list(common.json_lines(path, what, skip_cut_last_line=True))
+    except common.InputError as error:
+        raise common.InputError(f"{error}; mend or delete that line, then resume again (nothing was changed)") from None
     for _, where, row in rows:
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise simulator.InputError(f"{where}: a row without its step; is {path.name} a training run's {what}?")
+            raise common.InputError(f"{where}: a row without its step; is {path.name} a training run's {what}?")
         if row["step"] < step:
             kept.append(row)
         else:
@@ -829,4 +871,4 @@ def write_transcripts(path, dialogues: list[Dialogue], step: int | None = None) 
     """Append each dialogue's benchmark result row (plus step and thoughts) to a JSON Lines file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    simulator.append_json_lines(path, [dialogue.transcript(step) for dialogue in dialogues])
+    common.append_json_lines(path, [dialogue.transcript(step) for dialogue in dialogues])

@@ -71,14 +71,14 @@ from transformers import AutoTokenizer
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 
+import common
 import rollout
 import simulator
-
 
 # The offline demo. The paper's values in the comments; recipes/ hold them, and state
 # every key of this dict (tests/test_recipes.py): these are the parser's defaults under --config too.
 DEMO_DEFAULTS = dict(
-    model_name_or_path=simulator.PACKAGED_MODEL,  # paper: Qwen2.5-7B-Instruct
+    model_name_or_path=common.PACKAGED_MODEL,  # paper: Qwen2.5-7B-Instruct
     output_dir="runs/grpo-demo",
     use_peft=True, lora_r=16, lora_alpha=32,  # paper: full fine-tune; on CPU only LoRA learns visibly
     learning_rate=1e-3,  # paper: 1e-6 (full fine-tune); LoRA on a 135M model in 30 steps needs far more
@@ -118,7 +118,7 @@ class TurnCreditArguments:
         "help": "std: divide by the std of the changes compared; bound: by the simulator's change bound"})
 
     def __post_init__(self):
-        simulator.check_options(self, turn_credit_coef=simulator.NOT_NEGATIVE)
+        common.check_options(self, turn_credit_coef=common.NOT_NEGATIVE)
 
 
 def make_parser() -> TrlParser:
@@ -128,48 +128,34 @@ def make_parser() -> TrlParser:
     return parser
 
 
-def config_file(argv: list[str]) -> str | None:
-    """The YAML file after --config (TrlParser knows only this spelling, not --config=FILE)."""
-    if "--config" not in argv:
-        return None
-    index = argv.index("--config") + 1
-    if index == len(argv) or argv[index].startswith("--"):
-        raise simulator.ArgumentError("--config needs a YAML file")
-    return argv[index]
-
-
 def parse_arguments(argv: list[str] | None = None):
     """(dialogue, simulator, turn credit, training, model) arguments: DEMO_DEFAULTS, then the --config YAML,
     then flags."""
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser()
-    try:
-        path = config_file(argv)
-        if path is not None:  # its faults by file:line, before TrlParser reads it
-            simulator.read_config(path, parser, extra_keys=("env",))
-        dialogue_args, simulator_args, credit_args, training_args, model_args = parser.parse_args_and_config(argv)
-        # TRL's dataclasses are not ours: check them here, or inf, nan or a negative temperature would
-        # fail only after the model loaded (or train on nonsense).
-        simulator.check_options(training_args, temperature=simulator.POSITIVE)
-        simulator.check_options(model_args)
-    except simulator.ArgumentError as error:  # a value that cannot work: usage and what to fix, exit 2
+    dialogue_args, simulator_args, credit_args, training_args, model_args = common.parse_arguments(
+        parser, argv, hint=batch_hint)
+    try:  # TRL's dataclasses are not ours: check them here, or inf, nan or a negative temperature would fail
+        common.check_options(training_args, temperature=common.POSITIVE)  # only after the model loaded
+        common.check_options(model_args)
+    except common.ArgumentError as error:
         parser.error(str(error))
-    except simulator.InputError:  # a bad --config file: one line naming it, exit 1, no usage
-        raise
-    except ValueError as error:  # TRL's own checks (num_generations not dividing the batch) and unknown flags
-        hint = ("; choose --num_generations dividing it, or change --per_device_train_batch_size"
-                if "divisible by num_generations" in str(error) else "")
-        parser.error(str(error).rstrip(".") + hint)
     return dialogue_args, simulator_args, credit_args, training_args, model_args
+
+
+def batch_hint(message: str) -> str:
+    """What to change, added to TRL's error when num_generations does not divide the batch."""
+    return ("; choose --num_generations dividing it, or change --per_device_train_batch_size"
+            if "divisible by num_generations" in message else "")
 
 
 def demo_defaults_kept(argv: list[str]) -> dict:
     """The DEMO_DEFAULTS that a run with --config keeps because neither its YAML nor a flag sets them:
     a paper-scale config must not inherit the CPU demo's LoRA, learning rate or save_strategy unnoticed."""
-    path = config_file(argv)
+    path = common.config_file(argv)
     if path is None:
         return {}
-    config_keys = set(simulator.read_config(path, make_parser(), extra_keys=("env",)))
+    config_keys = set(common.read_config(path, make_parser(), extra_keys=("env",)))
     flags = {arg[2:].split("=")[0] for arg in argv if arg.startswith("--")}
     return {key: value for key, value in DEMO_DEFAULTS.items() if key not in config_keys | flags}
 
@@ -190,11 +176,11 @@ def check_setup(argv: list[str], training_args: GRPOConfig) -> None:
         where = " (trackio is in requirements-gpu.txt)" if "trackio" in missing else ""
         raise SystemExit(f"--report_to {','.join(missing)}: {' and '.join(missing)} not installed. Install it with "
                          f"pip install {' '.join(missing)}{where}, or pass --report_to none")
-    simulator.check_output_folder(training_args.output_dir, "output_dir")  # not found at the first save
+    common.check_output_folder(training_args.output_dir, "output_dir")  # not found at the first save
     kept = demo_defaults_kept(argv)
     if kept:
         values = ", ".join(f"{key}={value!r}" for key, value in kept.items())
-        warnings.warn(f"{config_file(argv)} leaves the offline demo's values in force: {values}; "
+        warnings.warn(f"{common.config_file(argv)} leaves the offline demo's values in force: {values}; "
                       "state these keys in the config")
     if training_args.use_vllm and training_args.vllm_enable_sleep_mode:
         warnings.warn("--vllm_enable_sleep_mode: TRL discards vLLM's weights and KV cache after every generate call "
@@ -210,7 +196,7 @@ def check_profile_count(profile_count: int, path: str, training_args: GRPOConfig
     batch at all, and the run "finishes" at once with an untrained adapter."""
     needed = training_args.generation_batch_size // training_args.num_generations
     if profile_count < needed:
-        raise simulator.InputError(
+        raise common.InputError(
             f"{path}: {profile_count} profile(s), but a generation batch of {training_args.generation_batch_size} "
             f"dialogues (--per_device_train_batch_size {training_args.per_device_train_batch_size} x "
             f"{training_args.world_size} process(es) x {training_args.steps_per_generation} steps_per_generation), "
@@ -218,22 +204,20 @@ def check_profile_count(profile_count: int, path: str, training_args: GRPOConfig
             "--per_device_train_batch_size")
 
 
-def make_emotion_reward(config: rollout.RolloutConfig):
-    """The reward function TRL calls: it reads the rollout's per-row fields, never the completion text."""
+def make_emotion_reward(dialogue_args: rollout.DialogueArguments):
+    """The reward function TRL calls: it reads the rollout's per-row fields (rollout.dialogue_record), never
+    the completion text."""
 
-    def emotion_reward(completions, final_emotion, format_violations, turns, end_reason, think_tokens,
-                       reply_tokens, simulator_seconds, emotions, failed, simulator_calls, log_metric=None,
-                       **_) -> list[float | None]:
+    def emotion_reward(completions, log_metric=None, **columns) -> list[float | None]:
         """Final emotion / 100 (minus the optional format penalty), or None for a dialogue whose simulator
         failed (TRL then leaves it out of its group's baseline and gives it zero advantage); logs the
         step's dialogue metrics."""
         if log_metric is not None:
-            for name, value in rollout.dialogue_metrics(final_emotion, turns, end_reason, format_violations,
-                                                        think_tokens, reply_tokens, simulator_seconds, emotions,
-                                                        failed, simulator_calls, config.max_turns).items():
+            for name, value in rollout.dialogue_metrics(columns, dialogue_args.max_turns).items():
                 log_metric(name, value)
-        return [None if lost else rollout.reward(emotion, violations, config.format_penalty)
-                for emotion, violations, lost in zip(final_emotion, format_violations, failed)]
+        return [None if lost else rollout.reward(emotion, violations, dialogue_args.format_penalty)
+                for emotion, violations, lost in zip(columns["final_emotion"], columns["format_violations"],
+                                                     columns["failed"])]
 
     return emotion_reward
 
@@ -335,13 +319,13 @@ class DialogueGRPOTrainer(GRPOTrainer):
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    rollout.use_all_cpu_cores()
+    common.use_all_cpu_cores()
     dialogue_args, simulator_args, credit_args, training_args, model_args = parse_arguments(argv)
     if dialogue_args.think and training_args.output_dir == DEMO_DEFAULTS["output_dir"]:
         training_args.output_dir += "-think"  # the two demo runs side by side
     check_setup(argv, training_args)  # before anything slow
     # Every input that can be checked without a model, before one loads (or the simulator's endpoint is asked).
-    model_path = simulator.resolve_model(model_args.model_name_or_path, "model_name_or_path")
+    model_path = common.resolve_model(model_args.model_name_or_path, "model_name_or_path")
     profiles = {p.id: p for p in simulator.load_profiles(dialogue_args.profiles)}
     simulator.check_backend(profiles.values(), simulator_args)
     check_profile_count(len(profiles), dialogue_args.profiles, training_args)
@@ -359,18 +343,16 @@ def main(argv: list[str] | None = None) -> None:
             rollout.keep_rows_before(path, json.loads(state.read_text())["global_step"])
     training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    chat = simulator.make_chat(simulator_args)
-    config = rollout.rollout_config(dialogue_args, simulator_args)
-    runner = rollout.DialogueRunner(tokenizer, config, chat)
-    if chat is not None:
-        runner.loop.run_until_complete(chat.check())  # fail now, not after loading the model
+    runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, simulator.make_chat(simulator_args))
+    runner.check_chat()  # fail now, not after loading the model
     openings = runner.openings(list(profiles.values()))
 
     def rollout_func(prompts: list[str], trainer) -> dict:
         starts = [(profiles[profile_id], openings[profile_id]) for profile_id in prompts]
-        with rollout.trainer_generator(trainer) as generate:
+        with rollout.trainer_generator(trainer, dialogue_args.prefix_cache) as generate:
             dialogues = runner.run(starts, generate)
-        rollout.check_failures(dialogues, dialogue_args.max_failed_share, trainer.accelerator)  # before writing: a resume replays the step
+        # Before writing: a resumed run plays the step again.
+        rollout.check_failures(dialogues, dialogue_args.max_failed_share, trainer.accelerator)
         rank = trainer.accelerator.process_index
         path = transcripts if trainer.accelerator.num_processes == 1 else transcripts.with_suffix(f".rank{rank}.jsonl")
         rollout.write_transcripts(path, dialogues, step=trainer.state.global_step)
@@ -378,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
 
     trainer = DialogueGRPOTrainer(
         model=model_path,
-        reward_funcs=make_emotion_reward(config),
+        reward_funcs=make_emotion_reward(dialogue_args),
         args=training_args,
         train_dataset=Dataset.from_dict({"prompt": list(profiles)}),
         processing_class=tokenizer,
@@ -407,5 +389,5 @@ if __name__ == "__main__":
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.16
     try:
         main()
-    except (simulator.InputError, simulator.SimulatorError) as error:  # bad input or endpoint: say what, no traceback
+    except (common.InputError, simulator.SimulatorError) as error:  # bad input or endpoint: say what, no traceback
         raise SystemExit(f"error: {error}") from None

@@ -2,7 +2,8 @@
 
     accelerate launch train_ppo.py            # offline demo, reply only (2 CPU cores)
     accelerate launch train_ppo.py --think    # offline demo, think then reply
-    accelerate launch --config_file accelerate_configs/zero2.yaml train_ppo.py --config recipes/ppo_qwen2.5-7b_think.yaml
+    accelerate launch --config_file accelerate_configs/zero2.yaml train_ppo.py \\
+        --config recipes/ppo_qwen2.5-7b_think.yaml
 
 One step:
 1. Rollout. `rollout.py` plays `profiles_per_step x dialogues_per_profile` dialogues (each group
@@ -79,6 +80,7 @@ row in a micro-batch adds its activations and output-layer chunk (~16 GB at 1638
 recipe runs micro-batches of one dialogue; --kl_coef > 0 would add a frozen bf16 reference, 15.2 GB.
 """
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,8 +93,10 @@ from accelerate.tracking import get_available_trackers
 from accelerate.utils import DistributedType, LoggerType
 from peft import LoraConfig, get_peft_model
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, HfArgumentParser
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from trl import TrlParser
 
+import common
 import rollout
 import simulator
 
@@ -101,9 +105,9 @@ import simulator
 class PPOArguments:
     """PPO settings. Defaults: the offline demo; paper values (the RLVER paper's training settings) in the help."""
 
-    config: str | None = field(default=None, metadata={"help": "YAML file of these options (CLI flags override it)"})
     output_dir: str = field(default="runs/ppo-demo", metadata={"help": "checkpoints, transcripts, metrics"})
-    model_name_or_path: str = field(default=simulator.PACKAGED_MODEL, metadata={"help": "policy (paper: Qwen2.5-7B-Instruct)"})
+    model_name_or_path: str = field(default=common.PACKAGED_MODEL, metadata={
+        "help": "policy (paper: Qwen2.5-7B-Instruct)"})
     critic_model_name_or_path: str | None = field(default=None, metadata={"help": "critic body; default: the policy's"})
     use_peft: bool = field(default=True, metadata={"help": "LoRA on policy and critic (paper: full fine-tune)"})
     # A full fine-tune needs fp32 master weights: AdamW's steps of ~lr are far below bf16's resolution
@@ -123,7 +127,8 @@ class PPOArguments:
     # One profile per step: in 30 steps the critic cannot learn which profiles are easy, so the batch
     # whitening is the baseline, and with one profile it compares dialogues of the same user, as GRPO does.
     profiles_per_step: int = field(default=1, metadata={"help": "profiles per step"})
-    dialogues_per_profile: int = field(default=8, metadata={"help": "dialogues per profile (1 x 8 = 8 per step; paper: 32 x 1)"})
+    dialogues_per_profile: int = field(default=8, metadata={
+        "help": "dialogues per profile (1 x 8 = 8 per step; paper: 32 x 1)"})
     max_steps: int = field(default=30, metadata={"help": "PPO steps (paper: 1000)"})
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch (paper: 1)"})
     # Demo: one update per batch, as the GRPO demo makes. Two updates on halves (4 rows each) stayed
@@ -144,7 +149,8 @@ class PPOArguments:
     save_steps: int = field(default=10, metadata={"help": "checkpoint every N steps"})
     resume: bool = field(default=False, metadata={
         "help": "continue from the newest checkpoint in output_dir (none yet: from step 0, the rows written dropped)"})
-    report_to: str = field(default="none", metadata={"help": "none, tensorboard, wandb or trackio (its package installed)"})
+    report_to: str = field(default="none", metadata={
+        "help": "none, tensorboard, wandb or trackio (its package installed)"})
     use_vllm: bool = field(default=False, metadata={
         "help": "generate with `trl vllm-serve` on other GPUs, weights pushed every step (one process)"})
     vllm_server_host: str = "0.0.0.0"
@@ -152,21 +158,22 @@ class PPOArguments:
     per_turn_rows: bool = field(default=False, metadata={
         "help": "the paper's layout: each policy turn its own row, earlier thoughts dropped from its context"})
     turn_credit: bool = field(default=False, metadata={
-        "help": "reward each policy turn with its emotion change / 100 on its last token (paper: the final emotion once)"})
+        "help": "reward each policy turn with its emotion change / 100 on its last token "
+                "(paper: the final emotion once)"})
 
     def __post_init__(self):
         if self.micro_batch_size is None:
             self.micro_batch_size = self.minibatch_size  # no accumulation
-        positive, at_least_one, fraction = simulator.POSITIVE, simulator.AT_LEAST_ONE, simulator.FRACTION
+        positive, at_least_one, fraction = common.POSITIVE, common.AT_LEAST_ONE, common.FRACTION
         # DeepSpeed counts a whole number of micro-batches per optimizer step
         divides_minibatch = (lambda value: value >= 1 and self.minibatch_size % value == 0,
                              f"at least 1 and divide --minibatch_size {self.minibatch_size}")
-        simulator.check_options(
+        common.check_options(
             self, lora_r=at_least_one, learning_rate=positive, critic_learning_rate=positive,
             profiles_per_step=at_least_one, dialogues_per_profile=at_least_one, max_steps=at_least_one,
             ppo_epochs=at_least_one, minibatch_size=at_least_one, micro_batch_size=divides_minibatch,
             gamma=fraction, lam=fraction, clip_range=positive,
-            value_clip_range=positive, entropy_coef=simulator.NOT_NEGATIVE, kl_coef=simulator.NOT_NEGATIVE,
+            value_clip_range=positive, entropy_coef=common.NOT_NEGATIVE, kl_coef=common.NOT_NEGATIVE,
             max_grad_norm=positive, temperature=positive, save_steps=at_least_one)
 
 
@@ -217,10 +224,10 @@ def trainable(model, args: PPOArguments):
 
 def load_models(args: PPOArguments):
     """(policy and critic as one module, frozen reference or None)."""
-    policy_path = simulator.resolve_model(args.model_name_or_path)
+    policy_path = common.resolve_model(args.model_name_or_path)
     # The policy's LoRA first: its random initialisation draws from the seed before the critic's.
     policy = trainable(AutoModelForCausalLM.from_pretrained(policy_path, dtype=args.dtype), args)
-    body = AutoModel.from_pretrained(simulator.resolve_model(args.critic_model_name_or_path or policy_path),
+    body = AutoModel.from_pretrained(common.resolve_model(args.critic_model_name_or_path or policy_path),
                                      dtype=args.dtype)
     critic = Critic(trainable(body, args), body.config.hidden_size)
     if args.use_peft:
@@ -510,7 +517,8 @@ def save_checkpoint(folder: Path, step: int, model, optimizer, tokenizer, accele
         save_policy(partial / "policy", networks, tokenizer)  # what the evaluations load
         torch.save(networks.critic.state_dict(), partial / "critic.pt")
         torch.save({"step": step, "optimizer": None if deepspeed else optimizer.state_dict(),
-                    "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}},
+                    "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                            "torch": torch.get_rng_state()}},
                    partial / "state.pt")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -546,19 +554,113 @@ def newest_checkpoint(output_dir: Path) -> Path | None:
 
 
 # --------------------------------------------------------------------------------------------
-# Training
+# Training: main in the order of the module docstring's steps, its helpers below it
 # --------------------------------------------------------------------------------------------
 
+def main(argv=None) -> None:
+    args, dialogue_args, simulator_args = parse_arguments(argv)
+    if dialogue_args.think and args.output_dir == "runs/ppo-demo":
+        args.output_dir += "-think"  # the two demo runs side by side
+    output_dir = Path(args.output_dir)
+    # 0. Set-up. Every input that can be checked without a model is, before one loads (or the simulator's
+    #    endpoint is asked); a resumed run drops the rows of the steps it will play again.
+    policy_path, profiles = check_inputs(args, dialogue_args, simulator_args)
+    accelerator = Accelerator(log_with=None if args.report_to == "none" else args.report_to,
+                              project_dir=str(output_dir))
+    if args.use_vllm and accelerator.num_processes > 1:
+        raise SystemExit("--use_vllm in train_ppo.py supports a single training process")
+    transcripts, metrics_file = run_files(output_dir, accelerator)
+    if transcripts.exists() and not args.resume:
+        raise SystemExit(f"{output_dir} already holds a run; choose another --output_dir, delete it, or pass --resume")
+    checkpoint, start_step = None, 0
+    if args.resume:  # the files' faults (a line cut short by a kill, ...) show now, not after the models load
+        checkpoint, start_step = resume_point(output_dir, transcripts, metrics_file, args.save_steps, accelerator)
+    common.use_all_cpu_cores()
+    seed_everything(args.seed, accelerator.process_index)
+    tokenizer = AutoTokenizer.from_pretrained(policy_path)
+    runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, simulator.make_chat(simulator_args))
+    runner.check_chat()  # a wrong URL, key or model name fails now, before any model loads
+    model, optimizer, reference = set_up_models(args, accelerator, checkpoint, start_step)
+    networks = accelerator.unwrap_model(model)  # .policy and .critic, for generation and saving
+    if accelerator.is_main_process and args.report_to != "none":
+        accelerator.init_trackers("rlver-ppo", config={**vars(args), **vars(dialogue_args)})
+    openings = runner.openings(profiles)
+    vllm_server = rollout.VLLMServerGenerator(args.vllm_server_host, args.vllm_server_port,
+                                              args.temperature) if args.use_vllm else None
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    dialogues_per_step = args.profiles_per_step * args.dialogues_per_profile  # this rank's
+    with rollout.DialogueProgress(args.max_steps * dialogues_per_step, start_step * dialogues_per_step,
+                                  "PPO dialogues", show=accelerator.is_main_process) as bar:
+        for step in range(start_step, args.max_steps):
+            started = time.perf_counter()
+
+            # 1. Rollout: this rank's profiles of the step, each played dialogues_per_profile times with the
+            #    current policy; a step where too many simulators failed stops the run, after saving.
+            chosen = step_profiles(profiles, args, step, accelerator)
+            starts = [(profile, openings[profile.id]) for profile in chosen for _ in range(args.dialogues_per_profile)]
+            model.eval()
+            generate = policy_generator(vllm_server, networks.policy, tokenizer, args, dialogue_args)
+            dialogues = runner.run(starts, generate)
+            del generate  # it holds the last call's key and value cache (GBs in the recipe): not kept while training
+            model.train()
+            rollout_time = time.perf_counter() - started
+            stop_if_simulators_failed(dialogues, step, dialogue_args, output_dir, model, optimizer, tokenizer,
+                                      accelerator)
+            scored = [d for d in dialogues if d.failure is None]  # a failed simulator left no score: no rows
+            final_rewards = [rollout.reward(d.final_emotion, d.format_violations, dialogue_args.format_penalty)
+                             for d in scored]
+            rows = [row for dialogue, final_reward in zip(scored, final_rewards)
+                    for row in dialogue_rows(dialogue, turn_rewards(dialogue, final_reward, args.turn_credit),
+                                             args.per_turn_rows)]
+            batch = pad_batch(rows, pad_id, accelerator.device)
+
+            # 2. Old log-probs (policy) and values (critic) at every action. Each epoch's shuffle of the rows
+            #    is drawn first: the first micro-batch of the first epoch is scored with graphs and trained on
+            #    as it is (nothing has changed yet), so its forward pass is made once (first_pass).
+            epoch_orders = [torch.randperm(len(rows)).tolist() for _ in range(args.ppo_epochs)]
+            old_logprobs, old_values, first_pass = old_logprobs_and_values(
+                model, batch, epoch_orders[0], args.temperature, args.micro_batch_size)
+            ref_logprobs = reference_logprobs(reference, batch, args.temperature)
+
+            # 3. Rewards: the dialogue's on its last action (each turn's on that turn's last action, with turn
+            #    credit), minus kl_coef x (logp - ref_logp) on every action.
+            rewards = place_rewards(batch["action_mask"], [row[2] for row in rows], old_logprobs, ref_logprobs,
+                                    args.kl_coef)
+
+            # 4. GAE over the policy's actions only, advantages whitened over the batch's actions.
+            advantages, returns = masked_gae(rewards, old_values, batch["action_mask"], args.gamma, args.lam)
+            batch.update(old_logprobs=old_logprobs, old_values=old_values, returns=returns,
+                         advantages=whiten(advantages, batch["action_mask"]))
+
+            # 5. PPO epochs over shuffled minibatches of rows, one optimizer step per minibatch.
+            stats = ppo_epochs(accelerator, model, optimizer, batch, epoch_orders, first_pass, args)
+
+            # Logging, transcripts, checkpoints.
+            metrics = {**rollout.dialogue_metrics(rollout.dialogue_columns(dialogues), dialogue_args.max_turns),
+                       **{key: sum(s[key] for s in stats) / len(stats) for key in stats[0]},
+                       **value_metrics(returns, old_values, batch["action_mask"]),
+                       "reward": sum(final_rewards) / len(final_rewards), "step": step,
+                       "step_time": time.perf_counter() - started, "rollout_time": rollout_time}
+            log_step(metrics, dialogues, step, transcripts, metrics_file, args, accelerator)
+            bar.advance(len(dialogues), metrics.get("emotion/final_mean", float("nan")))
+            if (step + 1) % args.save_steps == 0:
+                save_checkpoint(output_dir / f"checkpoint-{step + 1}", step + 1, model, optimizer, tokenizer,
+                                accelerator)
+
+    if accelerator.is_main_process:
+        save_policy(output_dir, networks, tokenizer)
+        torch.save(networks.critic.state_dict(), output_dir / "critic.pt")
+    accelerator.end_training()
+    runner.close()
+    accelerator.print(f"read the dialogues: python report.py {output_dir}")
+
+
 def parse_arguments(argv=None):
-    """(PPO, dialogue, simulator) arguments: the defaults, then the --config YAML, then flags."""
-    parser = HfArgumentParser((PPOArguments, rollout.DialogueArguments, simulator.SimulatorArguments))
-    config = parser.parse_known_args(argv)[0].config  # before any dataclass checks values without the YAML's
-    if config:  # its faults by file:line (exit 1, no usage); the command line goes on top of it
-        parser.set_defaults(**simulator.read_config(config, parser))
-    try:
-        return parser.parse_args_into_dataclasses(argv)
-    except ValueError as error:  # a value that cannot work, or an unknown flag: usage and what to fix, exit 2
-        parser.error(str(error))
+    """(PPO, dialogue, simulator) arguments: the defaults, then the --config YAML, then flags (TrlParser)."""
+    argv = sys.argv[1:] if argv is None else argv
+    return common.parse_arguments(TrlParser((PPOArguments, rollout.DialogueArguments, simulator.SimulatorArguments)),
+                                  argv)
 
 
 def check_tracker(report_to: str) -> None:
@@ -570,6 +672,24 @@ def check_tracker(report_to: str) -> None:
                          "(or pass --report_to none)")
 
 
+def check_inputs(args: PPOArguments, dialogue_args, simulator_args) -> tuple[str, list]:
+    """(the policy's folder, the profiles), after refusing what would fail only once the models loaded."""
+    check_tracker(args.report_to)
+    common.check_output_folder(args.output_dir, "output_dir")  # else found at the first step's writes, the step lost
+    policy_path = common.resolve_model(args.model_name_or_path, "model_name_or_path")
+    if args.critic_model_name_or_path:
+        common.check_model_source(args.critic_model_name_or_path, "critic_model_name_or_path")
+    profiles = simulator.load_profiles(dialogue_args.profiles)
+    simulator.check_backend(profiles, simulator_args)
+    return policy_path, profiles
+
+
+def run_files(output_dir: Path, accelerator) -> tuple[Path, Path]:
+    """(transcripts, metrics) files of this process: one pair per rank when there are several."""
+    suffix = "" if accelerator.num_processes == 1 else f".rank{accelerator.process_index}"
+    return output_dir / f"transcripts{suffix}.jsonl", output_dir / f"metrics{suffix}.jsonl"
+
+
 def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_steps: int, accelerator):
     """(newest checkpoint or None, the step to start at), after dropping the rows of the steps that will be
     played again. Without a checkpoint a run resumes at step 0, as a run resumes at its last checkpoint:
@@ -578,9 +698,9 @@ def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_s
     starting it over would overwrite the policy it saved."""
     checkpoint = newest_checkpoint(output_dir)
     if checkpoint is None and transcripts.exists() and (output_dir / "critic.pt").is_file():
-        raise simulator.InputError(f"--resume: {output_dir} holds a finished run without checkpoints (none every "
-                                   f"--save_steps {save_steps}), so there is nothing to continue; choose another "
-                                   "--output_dir for a new run")
+        raise common.InputError(f"--resume: {output_dir} holds a finished run without checkpoints (none every "
+                                f"--save_steps {save_steps}), so there is nothing to continue; choose another "
+                                "--output_dir for a new run")
     step = 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
     dropped = rollout.keep_rows_before(transcripts, step), rollout.keep_rows_before(metrics_file, step, "metrics file")
     if checkpoint is None and any(dropped):
@@ -590,158 +710,111 @@ def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_s
     return checkpoint, step
 
 
-def main(argv=None) -> None:
-    args, dialogue_args, simulator_args = parse_arguments(argv)
-    if dialogue_args.think and args.output_dir == "runs/ppo-demo":
-        args.output_dir += "-think"  # the two demo runs side by side
-    output_dir = Path(args.output_dir)
-    check_tracker(args.report_to)
-    simulator.check_output_folder(output_dir, "output_dir")  # else found at the first step's writes, the step lost
-    # Every input that can be checked without a model, before one loads (or the simulator's endpoint is asked).
-    policy_path = simulator.resolve_model(args.model_name_or_path, "model_name_or_path")
-    if args.critic_model_name_or_path:
-        simulator.check_model_source(args.critic_model_name_or_path, "critic_model_name_or_path")
-    profiles = simulator.load_profiles(dialogue_args.profiles)
-    simulator.check_backend(profiles, simulator_args)
-    accelerator = Accelerator(log_with=None if args.report_to == "none" else args.report_to, project_dir=str(output_dir))
-    suffix = "" if accelerator.num_processes == 1 else f".rank{accelerator.process_index}"  # one file per rank
-    transcripts, metrics_file = output_dir / f"transcripts{suffix}.jsonl", output_dir / f"metrics{suffix}.jsonl"
-    if transcripts.exists() and not args.resume:
-        raise SystemExit(f"{output_dir} already holds a run; choose another --output_dir, delete it, or pass --resume")
-    checkpoint, start_step = None, 0
-    if args.resume:  # the files' faults (a line cut short by a kill, ...) show now, not after the models load
-        checkpoint, start_step = resume_point(output_dir, transcripts, metrics_file, args.save_steps, accelerator)
-    rollout.use_all_cpu_cores()
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed + accelerator.process_index)
+def seed_everything(seed: int, rank: int) -> None:
+    """Python's, NumPy's and torch's RNGs; torch's differs per rank, so ranks sample different dialogues."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed + rank)
 
-    tokenizer = AutoTokenizer.from_pretrained(policy_path)
-    chat = simulator.make_chat(simulator_args)
-    config = rollout.rollout_config(dialogue_args, simulator_args)
-    runner = rollout.DialogueRunner(tokenizer, config, chat)
-    if chat is not None:  # a wrong URL, key or model name fails now, before any model loads
-        runner.loop.run_until_complete(chat.check())  # on the loop that will use its connections
+
+def set_up_models(args: PPOArguments, accelerator, checkpoint: Path | None, start_step: int):
+    """(policy and critic prepared as one module, their optimizer, frozen reference or None), restored
+    from `checkpoint` if given."""
     model, reference = load_models(args)
     if (not args.use_peft and model.policy.dtype != torch.float32
             and accelerator.distributed_type != DistributedType.DEEPSPEED):
         raise SystemExit(f"a full fine-tune of {model.policy.dtype} weights needs fp32 master weights: launch with "
                          "--config_file accelerate_configs/zero2.yaml (DeepSpeed), or pass --dtype float32")
     model, optimizer = prepare(accelerator, model, make_optimizer(model, args), args)
-    networks = accelerator.unwrap_model(model)  # .policy and .critic, for generation and saving
     if checkpoint is not None:
         load_checkpoint(checkpoint, model, optimizer, accelerator)
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
     if reference is not None:
         reference.to(accelerator.device)
-    if accelerator.is_main_process and args.report_to != "none":
-        accelerator.init_trackers("rlver-ppo", config={**vars(args), **vars(dialogue_args)})
+    return model, optimizer, reference
 
-    openings = runner.openings(profiles)
+
+def step_profiles(profiles: list, args: PPOArguments, step: int, accelerator) -> list:
+    """This rank's profiles at `step`: consecutive slices of shuffled passes over all profiles, drawn from
+    their own seeded RNG, so a resumed run plays what the uninterrupted run would have."""
+    per_step = args.profiles_per_step * accelerator.num_processes  # each rank plays its own profiles
+    order, shuffled = random.Random(args.seed), []
+    while len(shuffled) < (step + 1) * per_step:
+        shuffled += order.sample(profiles, len(profiles))
+    offset = step * per_step + accelerator.process_index * args.profiles_per_step
+    return shuffled[offset:offset + args.profiles_per_step]
+
+
+def policy_generator(vllm_server, policy, tokenizer, args: PPOArguments, dialogue_args):
+    """The rollout's `generate`: the vLLM server after the policy's current weights are pushed to it, or a
+    fresh transformers generator over the policy (a generator serves one set of weights)."""
+    if vllm_server is not None:
+        vllm_server.push_weights(policy)
+        return vllm_server
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    generation_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-                                         eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id)
-    if args.use_vllm and accelerator.num_processes > 1:
-        raise SystemExit("--use_vllm in train_ppo.py supports a single training process")
-    vllm_generator = None
-    if args.use_vllm:
-        vllm_generator = rollout.VLLMServerGenerator(args.vllm_server_host, args.vllm_server_port, args.temperature)
-    order = random.Random(args.seed)
-    profile_order = []
+    sampling = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id)
+    return rollout.TransformersGenerator(policy, tokenizer, sampling, dialogue_args.prefix_cache)
 
-    per_step_dialogues = args.profiles_per_step * args.dialogues_per_profile  # this rank's
-    with rollout.DialogueProgress(args.max_steps * per_step_dialogues, start_step * per_step_dialogues,
-                                  "PPO dialogues", show=accelerator.is_main_process) as bar:
-        for step in range(start_step, args.max_steps):
-            started = time.perf_counter()
-            per_step = args.profiles_per_step * accelerator.num_processes  # each rank plays its own profiles
-            while len(profile_order) < (step + 1) * per_step:  # the same order after a resume
-                profile_order += order.sample(profiles, len(profiles))
-            first = step * per_step + accelerator.process_index * args.profiles_per_step
-            chosen = profile_order[first:first + args.profiles_per_step]
-            starts = [(p, openings[p.id]) for p in chosen for _ in range(args.dialogues_per_profile)]
 
-            # 1. Rollout with the current policy.
-            model.eval()
-            if vllm_generator is not None:
-                vllm_generator.push_weights(networks.policy)
-                generator = vllm_generator
-            else:
-                generator = rollout.TransformersGenerator(networks.policy, tokenizer, generation_config)
-            dialogues = runner.run(starts, generator)
-            del generator  # it holds the last call's key and value cache (GBs in the recipe): not kept while training
-            model.train()
-            rollout_time = time.perf_counter() - started
-            try:
-                rollout.check_failures(dialogues, dialogue_args.max_failed_share, accelerator)
-            except rollout.TooManySimulatorFailures as error:
-                folder = output_dir / f"checkpoint-{step}"
-                if step > 0 and not folder.exists():  # every rank stops here: check_failures agrees across them
-                    save_checkpoint(folder, step, model, optimizer, tokenizer, accelerator)
-                saved = f"{folder} holds the state before it; continue with --resume" if step > 0 else "nothing to save yet"
-                raise SystemExit(f"stopped at step {step} ({saved}): {error}") from None
+def stop_if_simulators_failed(dialogues, step: int, dialogue_args, output_dir: Path, model, optimizer, tokenizer,
+                              accelerator) -> None:
+    """Exit, after saving the state before this step, when more of its dialogues than max_failed_share lost
+    their simulator. Every rank stops here together: check_failures agrees across them."""
+    try:
+        rollout.check_failures(dialogues, dialogue_args.max_failed_share, accelerator)
+    except rollout.TooManySimulatorFailures as error:
+        folder = output_dir / f"checkpoint-{step}"
+        if step > 0 and not folder.exists():
+            save_checkpoint(folder, step, model, optimizer, tokenizer, accelerator)
+        saved = f"{folder} holds the state before it; continue with --resume" if step > 0 else "nothing to save yet"
+        raise SystemExit(f"stopped at step {step} ({saved}): {error}") from None
 
-            # 2-4. Old log-probs and values, rewards on the last action (of each turn, with turn credit), GAE over actions.
-            scored = [d for d in dialogues if d.failure is None]  # a failed simulator left no score: no rows
-            rewards_by_dialogue = [rollout.reward(d.final_emotion, d.format_violations, config.format_penalty)
-                                   for d in scored]
-            rows = [row for dialogue, dialogue_reward in zip(scored, rewards_by_dialogue)
-                    for row in dialogue_rows(dialogue, turn_rewards(dialogue, dialogue_reward, args.turn_credit),
-                                             args.per_turn_rows)]
-            batch = pad_batch(rows, pad_id, accelerator.device)
-            orders = [torch.randperm(len(rows)).tolist() for _ in range(args.ppo_epochs)]
-            old_logprobs, old_values, first_forward = old_logprobs_and_values(
-                model, batch, orders[0], args.temperature, args.micro_batch_size)
-            ref_logprobs = None
-            if reference is not None:
-                with torch.no_grad():
-                    ref_logprobs, _ = token_logprobs(reference, batch["input_ids"], batch["attention_mask"],
-                                                     batch["action_mask"], args.temperature)
-            rewards = place_rewards(batch["action_mask"], [row[2] for row in rows], old_logprobs, ref_logprobs,
-                                    args.kl_coef)
-            advantages, returns = masked_gae(rewards, old_values, batch["action_mask"], args.gamma, args.lam)
-            batch.update(old_logprobs=old_logprobs, old_values=old_values, returns=returns,
-                         advantages=whiten(advantages, batch["action_mask"]))
 
-            # 5. PPO epochs over minibatches of dialogues.
-            stats = []
-            for epoch, indices in enumerate(orders):
-                for first in range(0, len(indices), args.minibatch_size):
-                    minibatch = select_rows(batch, indices[first:first + args.minibatch_size])
-                    reused = first_forward if epoch == first == 0 else None
-                    stats.append(ppo_update(accelerator, model, optimizer, minibatch, args, reused))
+def reference_logprobs(reference, batch: dict, temperature: float):
+    """The frozen reference's log-probs at the actions (None without a reference: kl_coef 0)."""
+    if reference is None:
+        return None
+    with torch.no_grad():
+        return token_logprobs(reference, batch["input_ids"], batch["attention_mask"], batch["action_mask"],
+                              temperature)[0]
 
-            # Logging, transcripts, checkpoints.
-            metrics = rollout.dialogues_metrics(dialogues, config.max_turns)
-            metrics.update({key: sum(s[key] for s in stats) / len(stats) for key in stats[0]})
-            mask = batch["action_mask"]
-            unexplained = masked_mean((returns - old_values - masked_mean(returns - old_values, mask)) ** 2, mask)
-            spread = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-            metrics.update({"ppo/value_mean": masked_mean(old_values, mask).item(),
-                            "ppo/explained_variance": (1 - unexplained / spread.clamp(min=1e-8)).item()})
-            metrics.update({"reward": sum(rewards_by_dialogue) / len(rewards_by_dialogue), "step": step,
-                            "step_time": time.perf_counter() - started, "rollout_time": rollout_time})
-            rollout.write_transcripts(transcripts, dialogues, step=step)
-            simulator.append_json_lines(metrics_file, [metrics])
-            if accelerator.is_main_process:
-                accelerator.print({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
-                                   if not k.startswith("emotion/after")})
-            if args.report_to != "none":
-                accelerator.log(metrics, step=step)
-            bar.advance(len(dialogues), metrics.get("emotion/final_mean", float("nan")))
-            if (step + 1) % args.save_steps == 0:
-                save_checkpoint(output_dir / f"checkpoint-{step + 1}", step + 1, model, optimizer, tokenizer, accelerator)
 
+def ppo_epochs(accelerator, model, optimizer, batch: dict, epoch_orders: list[list[int]], first_pass,
+               args: PPOArguments) -> list[dict]:
+    """Each epoch's minibatches in that epoch's order, one ppo_update each; the very first micro-batch
+    reuses `first_pass`, its forward pass made while scoring the old log-probs. Returns their stats."""
+    stats = []
+    for epoch, order in enumerate(epoch_orders):
+        for start in range(0, len(order), args.minibatch_size):
+            minibatch = select_rows(batch, order[start:start + args.minibatch_size])
+            reused = first_pass if epoch == 0 and start == 0 else None
+            stats.append(ppo_update(accelerator, model, optimizer, minibatch, args, reused))
+    return stats
+
+
+def value_metrics(returns, old_values, action_mask) -> dict[str, float]:
+    """The critic's mean value and explained variance (1 - Var(returns - values) / Var(returns)) over actions."""
+    unexplained = masked_mean((returns - old_values - masked_mean(returns - old_values, action_mask)) ** 2, action_mask)
+    spread = masked_mean((returns - masked_mean(returns, action_mask)) ** 2, action_mask)
+    return {"ppo/value_mean": masked_mean(old_values, action_mask).item(),
+            "ppo/explained_variance": (1 - unexplained / spread.clamp(min=1e-8)).item()}
+
+
+def log_step(metrics: dict, dialogues, step: int, transcripts: Path, metrics_file: Path, args: PPOArguments,
+             accelerator) -> None:
+    """The step's transcripts and metrics rows, the console line and the tracker."""
+    rollout.write_transcripts(transcripts, dialogues, step=step)
+    common.append_json_lines(metrics_file, [metrics])
     if accelerator.is_main_process:
-        save_policy(output_dir, networks, tokenizer)
-        torch.save(networks.critic.state_dict(), output_dir / "critic.pt")
-    accelerator.end_training()
-    runner.close()
-    accelerator.print(f"read the dialogues: python report.py {output_dir}")
+        accelerator.print({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
+                           if not k.startswith("emotion/after")})
+    if args.report_to != "none":
+        accelerator.log(metrics, step=step)
 
 
 if __name__ == "__main__":
     try:
         main()
-    except (simulator.InputError, simulator.SimulatorError) as error:  # bad input or endpoint: say what, no traceback
+    except (common.InputError, common.EndpointError) as error:  # bad input or endpoint: say what, no traceback
         raise SystemExit(f"error: {error}") from None

@@ -31,8 +31,15 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
 from fake_openai import FakeOpenAIServer  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
+import common  # noqa: E402
 import rollout  # noqa: E402
 import simulator  # noqa: E402
 
@@ -75,7 +82,7 @@ class LatencyServer:
         return (weighted / busy if busy else 0.0), peak
 
 
-class TimedChat(simulator.ChatClient):
+class TimedChat(common.ChatClient):
     """The real client; also notes each call's latency under the dialogue it belongs to (its stats)."""
 
     def __init__(self, *args, median: float, sigma: float, **kwargs):
@@ -103,9 +110,9 @@ class TimedGenerator:
 
 def load_policy(name: str):
     if name != "tiny":
-        path = simulator.resolve_model(name)
+        path = common.resolve_model(name)
         return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(simulator.resolve_model(simulator.PACKAGED_MODEL))
+    tokenizer = AutoTokenizer.from_pretrained(common.resolve_model(common.PACKAGED_MODEL))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -116,12 +123,14 @@ def load_policy(name: str):
 
 def play(args, model, tokenizer, base_url: str, concurrency: int, starts) -> dict:
     chat = TimedChat(base_url, "sim-model", median=args.median, sigma=args.sigma, timeout=60, max_retries=0)
-    config = rollout.RolloutConfig(max_turns=args.turns, max_reply_tokens=args.reply_tokens, max_dialogue_tokens=4096,
-                                   start_emotion=50, simulator_concurrency=concurrency)
-    runner = rollout.DialogueRunner(tokenizer, config, chat)
+    dialogue_args = rollout.DialogueArguments(max_turns=args.turns, max_reply_tokens=args.reply_tokens,
+                                              max_dialogue_tokens=4096, start_emotion=50,
+                                              simulator_concurrency=concurrency)
+    runner = rollout.DialogueRunner(tokenizer, dialogue_args, chat=chat)
     # Greedy, each reply its full budget: both runs play the same dialogues, of the length sampling
     # would give (on CPU, torch.multinomial over a 49k vocabulary would be most of a tiny model's time).
-    generation = GenerationConfig(do_sample=False, min_new_tokens=args.reply_tokens, eos_token_id=tokenizer.eos_token_id,
+    generation = GenerationConfig(do_sample=False, min_new_tokens=args.reply_tokens,
+                                  eos_token_id=tokenizer.eos_token_id,
                                   pad_token_id=tokenizer.pad_token_id)
     generate = TimedGenerator(rollout.TransformersGenerator(model, tokenizer, generation))
     started = time.perf_counter()
@@ -146,7 +155,7 @@ def main() -> None:
                         help="our rollout's simulator concurrency (default: the scripts' default)")
     parser.add_argument("--policy", default="tiny", help="'tiny' (random, 2 layers) or a model path / packaged name")
     args = parser.parse_args()
-    rollout.use_all_cpu_cores()
+    common.use_all_cpu_cores()
     model, tokenizer = load_policy(args.policy)
     profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES)
     chosen = [profiles[i % len(profiles)] for i in range(args.dialogues)]
@@ -160,7 +169,8 @@ def main() -> None:
         sequential = play(args, model, tokenizer, server.server.base_url, 1, starts)
     for run in (ours, sequential):
         if run["totals"].failed or run["totals"].retries:
-            raise SystemExit(f"the fake simulator failed {run['totals'].failed} calls and retried {run['totals'].retries}")
+            raise SystemExit(f"the fake simulator failed {run['totals'].failed} calls "
+                             f"and retried {run['totals'].retries}")
     same = [d.completion_ids for d in ours["dialogues"]] == [d.completion_ids for d in sequential["dialogues"]]
     if not same or ours["turn_latencies"] != sequential["turn_latencies"]:
         raise SystemExit("the two runs did not play the same dialogues with the same latencies")
@@ -168,7 +178,7 @@ def main() -> None:
 
     print(f"{n} dialogues x {args.turns} turns; simulator latency log-normal, median {args.median} s, sigma "
           f"{args.sigma}; policy: {args.policy}; {totals.calls} calls a run")
-    print(f"| run | wall time (s) |\n| --- | --- |")
+    print("| run | wall time (s) |\n| --- | --- |")
     print(f"| (a) ours, concurrency {args.concurrency} | {ours['wall']:.2f} |")
     print(f"| (b) one simulator call at a time | {sequential['wall']:.2f} |")
     print(f"| (c) ideal: policy {ours['policy']:.2f} s + slowest simulator turn per turn | {ours['ideal']:.2f} |")

@@ -16,12 +16,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import simulator  # noqa: E402
 from reply_styles import warm_reply  # noqa: E402
+
+import rule_user  # noqa: E402
+import simulator  # noqa: E402
 
 NEUTRAL = "I see. Can you tell me more about that?"
 FILLERS = ("um", "like", "uh", "you know")
-STOPWORDS = simulator.STOPWORDS | simulator.GENERIC_WORDS
+STOPWORDS = rule_user.STOPWORDS | rule_user.GENERIC_WORDS
 
 
 def user_words(messages: list[str], rng: random.Random, count: int) -> list[str]:
@@ -101,7 +103,7 @@ REFERENCES = {
     "warm and specific (tests/reply_styles.py)": None,  # played by reply_styles.warm_reply
 }
 PROTOCOLS = {  # name: (profile file, start emotion, judged replies)
-    "train": (simulator.DEFAULT_PROFILES, simulator.TRAIN_START_EMOTION, simulator.TRAIN_MAX_TURNS),
+    "train": (simulator.DEFAULT_PROFILES, simulator.TRAIN_START_EMOTION, simulator.PAPER_MAX_TURNS),
     "benchmark": (simulator.DEFAULT_BENCHMARK_PROFILES, simulator.BENCHMARK_START_EMOTION, simulator.BENCHMARK_MAX_TURNS),
 }
 

@@ -9,6 +9,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 import simulator  # noqa: E402
 
 # The official RLVER files are third-party data, never committed: tests that need them read the folder
@@ -102,7 +103,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def packaged_model():
     """The offline SmolLM2-135M-Instruct, converted once into the repository's cache folder."""
-    return simulator.resolve_model(simulator.PACKAGED_MODEL)
+    return common.resolve_model(common.PACKAGED_MODEL)
 
 
 @pytest.fixture(scope="session")
@@ -133,9 +134,20 @@ def play_think_dialogue(model_dir, max_turns: int = 3):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     generate = rollout.TransformersGenerator(model, tokenizer, GenerationConfig(
         do_sample=True, top_k=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
-    runner = rollout.DialogueRunner(tokenizer, rollout.RolloutConfig(think=True, max_turns=max_turns,
-                                                                     max_think_tokens=5, max_reply_tokens=6))
+    runner = rollout.DialogueRunner(tokenizer, rollout.DialogueArguments(
+        think=True, max_turns=max_turns, max_think_tokens=5, max_reply_tokens=6, max_dialogue_tokens=8192))
     profile = simulator.load_profiles(simulator.DEFAULT_PROFILES)[0]
     [dialogue] = runner.run([(profile, runner.openings([profile])[profile.id])], generate)
     runner.close()
     return dialogue, tokenizer
+
+
+MODEL_FIXTURES = {"packaged_model", "tiny_model_dir"}
+
+
+def pytest_collection_modifyitems(items):
+    """A test that loads a model (through these fixtures) is `slow`, as are those marked so by hand (scripts
+    run as processes, servers answering after seconds): `pytest -m "not slow"` runs the rest in under a minute."""
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import rule_user  # noqa: E402
 import simulator  # noqa: E402
 
 # Warm replies are built from three parts picked by turn from lists of coprime lengths (3, 4, 5),
@@ -62,14 +63,14 @@ def salient_words(user_messages: list[str]) -> list[str]:
     user's canned reactions ("Hm, that helps a little.") are left out: a listener answers the story."""
     picked = []
     for message in reversed(user_messages):
-        for canned in simulator.CANNED_LINES:
+        for canned in rule_user.CANNED_LINES:
             message = message.replace(canned, "")
         words = re.findall(r"(?<![.!?] )(?<!^)\b[A-Z][a-z]+\b", message)  # capitalised mid-sentence: names
         words += sorted(re.findall(r"\b[a-z]{4,}\b", message), key=len, reverse=True)
         for word in words:
             lower = word.lower()
-            if (lower not in simulator.STOPWORDS and lower not in simulator.GENERIC_WORDS and not lower.endswith("ly")
-                    and simulator._key(lower) not in {simulator._key(p.lower()) for p in picked}):
+            if (lower not in rule_user.STOPWORDS and lower not in rule_user.GENERIC_WORDS and not lower.endswith("ly")
+                    and rule_user._key(lower) not in {rule_user._key(p.lower()) for p in picked}):
                 picked.append(word)
         if len(picked) >= 2:
             return picked
@@ -103,7 +104,7 @@ STYLES = ("warm", "stock", "advice", "dismissive", "garbled")
 
 
 async def final_emotion(profile, style: str, variant: str = "vanilla") -> int:
-    sim = simulator.RuleSimulator(profile, variant=variant)
+    sim = rule_user.RuleSimulator(profile, variant=variant)
     user_messages = [await sim.open()]
     for turn in range(sim.max_turns):
         result = await sim.respond(reply_for(style, profile, user_messages, turn))
@@ -125,7 +126,7 @@ def main() -> None:
     profiles = simulator.load_profiles(args.profiles)
     table = style_table(profiles, args.variant)
     print(f"{len(profiles)} profiles, {args.variant} rule simulator, start {simulator.TRAIN_START_EMOTION}, "
-          f"{simulator.TRAIN_MAX_TURNS} turns")
+          f"{simulator.PAPER_MAX_TURNS} turns")
     print("| style | mean final emotion | min | max | reached 100 | fell below 10 |")
     print("|---|---|---|---|---|---|")
     for style, finals in table.items():

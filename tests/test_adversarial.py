@@ -21,6 +21,7 @@ def results():
     return table()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", list(PROTOCOLS))
 @pytest.mark.parametrize("variant", simulator.VARIANTS)
 def test_every_degenerate_strategy_ends_below_the_start_and_never_reaches_100(results, variant, protocol):

@@ -10,8 +10,10 @@ import pytest
 from conftest import REPO, profile_row, write_jsonl
 from fake_openai import FakeOpenAIServer
 
+import common
 import eval_general
 import eval_sentient
+import rollout
 import simulator
 
 
@@ -33,8 +35,8 @@ def fail_if_called(what):
 @pytest.fixture
 def no_sentient_model(monkeypatch):
     """eval_sentient must not load the tested model (tokenizer or weights) nor the simulator's."""
-    monkeypatch.setattr(eval_sentient, "load_tokenizer", fail_if_called("load_tokenizer"), raising=False)
-    monkeypatch.setattr(eval_sentient, "load_generator", fail_if_called("load_generator"))
+    monkeypatch.setattr(rollout, "load_tokenizer", fail_if_called("load_tokenizer"))
+    monkeypatch.setattr(rollout, "load_generator", fail_if_called("load_generator"))
     monkeypatch.setattr(simulator, "LocalChat", fail_if_called("LocalChat"))
 
 
@@ -105,6 +107,7 @@ def test_general_numbers_out_of_range_are_refused_while_parsing(argv, message, c
     assert status == 2 and message in error
 
 
+@pytest.mark.slow
 def test_a_refusal_while_parsing_is_usage_and_one_line_not_a_traceback():
     finished = subprocess.run([sys.executable, "eval_general.py", "--compare", "A", "B", "--bootstrap_samples", "0"],
                               cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -145,7 +148,7 @@ def test_chinese_dialogues_with_the_rule_backend_are_refused_before_any_model_lo
 
 def test_a_dialogue_budget_too_small_for_the_prompt_is_refused_before_the_weights_load(packaged_model, monkeypatch,
                                                                                        tmp_path, capsys):
-    monkeypatch.setattr(eval_sentient, "load_generator", fail_if_called("load_generator"))
+    monkeypatch.setattr(rollout, "load_generator", fail_if_called("load_generator"))
     profiles = benchmark_profiles(tmp_path / "bench.jsonl")
     status, error = outcome(eval_sentient.main, ["--profiles", profiles, "--output", tmp_path / "r.jsonl",
                                                  "--max_dialogue_tokens", 20], capsys)
@@ -221,7 +224,7 @@ def test_a_missing_sentient_model_is_refused_before_the_simulator_s_model_loads(
                                                                                 no_sentient_model, tmp_path, capsys):
     status, error = outcome(eval_sentient.main, [
         "--model", model, "--profiles", benchmark_profiles(tmp_path / "bench.jsonl"), "--output",
-        tmp_path / "new" / "r.jsonl", "--backend", "local", "--simulator_model", simulator.PACKAGED_MODEL], capsys)
+        tmp_path / "new" / "r.jsonl", "--backend", "local", "--simulator_model", common.PACKAGED_MODEL], capsys)
     assert status == 1 and error.startswith(f"error: {message}")
     assert not (tmp_path / "new").exists()
 
@@ -259,6 +262,7 @@ def test_output_paths_under_a_file_or_naming_a_folder_are_refused_creating_nothi
 CUT = '{"id": "bench-1", "emo_po'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("last_line", ["whole", "cut"])
 def test_a_sentient_run_resumes_onto_a_last_line_without_newline_and_keeps_every_row(last_line, tmp_path, capsys):
     profiles = benchmark_profiles(tmp_path / "bench.jsonl", count=3)
@@ -274,6 +278,7 @@ def test_a_sentient_run_resumes_onto_a_last_line_without_newline_and_keeps_every
         assert "r.jsonl:2: the last line is cut short" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("last_line", ["whole", "cut"])
 def test_a_general_run_resumes_onto_a_last_line_without_newline_and_keeps_every_row(last_line, tmp_path):
     out = tmp_path / "out"
@@ -306,7 +311,7 @@ def test_a_broken_file_in_the_output_folder_is_refused_before_the_model_loads(na
 
 def test_an_unreachable_simulator_endpoint_is_refused_before_the_tested_model_loads(packaged_model, monkeypatch,
                                                                                     tmp_path, capsys):
-    monkeypatch.setattr(eval_sentient, "load_generator", fail_if_called("load_generator"))
+    monkeypatch.setattr(rollout, "load_generator", fail_if_called("load_generator"))
     status, error = outcome(eval_sentient.main, [
         "--profiles", benchmark_profiles(tmp_path / "bench.jsonl"), "--output", tmp_path / "new" / "r.jsonl",
         "--backend", "llm", "--base_url", "http://127.0.0.1:9/v1", "--simulator_model", "x",

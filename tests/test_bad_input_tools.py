@@ -83,6 +83,7 @@ def test_a_replies_file_that_is_missing_or_not_utf8_is_named(tmp_path):
 # Paths: folders for files, folders that do not exist yet, where output goes
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_plot_training_writes_beside_the_run_not_into_the_current_folder(tmp_path, monkeypatch, capsys):
     run = steps_run(tmp_path / "run")
     elsewhere = tmp_path / "elsewhere"
@@ -177,6 +178,7 @@ def test_plot_training_names_a_row_without_step_or_final_emotion(tmp_path):
 # --help
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_every_script_prints_its_help_and_exits_0():
     """All scripts at once, each in its own process (they import torch and transformers: seconds each)."""
     environment = {**os.environ, "PYTHONWARNINGS": "ignore"}

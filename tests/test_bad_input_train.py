@@ -7,12 +7,13 @@ import types
 from pathlib import Path
 
 import pytest
+from conftest import profile_row, write_jsonl
 
+import common
 import rollout
 import simulator
 import train_grpo
 import train_ppo
-from conftest import profile_row, write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINERS = {"grpo": train_grpo, "ppo": train_ppo}
@@ -54,7 +55,7 @@ def test_a_config_that_is_missing_binary_or_not_yaml_is_named_before_parsing(tmp
     config = tmp_path / "run.yaml"
     if content is not None:
         config.write_bytes(content)
-    with pytest.raises(simulator.InputError, match=message):
+    with pytest.raises(common.InputError, match=message):
         TRAINERS[trainer].parse_arguments(["--config", str(config)])
 
 
@@ -63,14 +64,14 @@ def test_a_config_that_is_missing_binary_or_not_yaml_is_named_before_parsing(tmp
 def test_a_misspelt_config_key_is_named_with_the_likely_one(tmp_path, trainer, key, hint):
     config = tmp_path / "run.yaml"
     config.write_text(f"{key}: 4\n")
-    with pytest.raises(simulator.InputError, match=fr"run.yaml: unknown option\(s\): {key} \(did you mean {hint}\?\)"):
+    with pytest.raises(common.InputError, match=fr"run.yaml: unknown option\(s\): {key} \(did you mean {hint}\?\)"):
         TRAINERS[trainer].parse_arguments(["--config", str(config)])
 
 
 def test_grpo_reads_the_config_for_its_demo_defaults_warning_through_the_same_reader(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_bytes(b"learning_rate: 1.0e-6\nnote: caf\xe9\n")
-    with pytest.raises(simulator.InputError, match=r"run.yaml:2: not UTF-8 text"):
+    with pytest.raises(common.InputError, match=r"run.yaml:2: not UTF-8 text"):
         train_grpo.demo_defaults_kept(["--config", str(config)])
 
 
@@ -116,7 +117,7 @@ def test_an_unknown_flag_is_a_usage_error_not_a_traceback(trainer, capsys):
 
 def test_grpo_refuses_fewer_profiles_than_a_generation_batch_needs(tmp_path, model_folder):
     profiles = write_jsonl(tmp_path / "one.jsonl", [profile_row()])
-    with pytest.raises(simulator.InputError, match=r"one.jsonl: 1 profile\(s\), but a generation batch of 8 dialogues "
+    with pytest.raises(common.InputError, match=r"one.jsonl: 1 profile\(s\), but a generation batch of 8 dialogues "
                                                    r".*4 per profile, needs 2 distinct profiles; add profiles"):
         train_grpo.main(["--model_name_or_path", str(model_folder), "--output_dir", str(tmp_path / "run"),
                          "--profiles", str(profiles), "--per_device_train_batch_size", "8", "--num_generations", "4"])
@@ -137,7 +138,7 @@ def test_chinese_profiles_with_the_rule_backend_are_refused_before_any_model_loa
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_an_output_dir_under_a_file_is_refused_at_start_and_nothing_is_created(tmp_path, model_folder, trainer):
     (tmp_path / "taken").write_text("a file")
-    with pytest.raises(simulator.InputError, match=r"--output_dir .*taken/run: .*taken is a file, not a folder"):
+    with pytest.raises(common.InputError, match=r"--output_dir .*taken/run: .*taken is a file, not a folder"):
         TRAINERS[trainer].main(["--model_name_or_path", str(model_folder), "--output_dir", str(tmp_path / "taken" / "run")])
 
 
@@ -148,10 +149,11 @@ def test_a_model_that_does_not_exist_fails_before_the_tokenizer_or_the_endpoint(
     """The endpoint is unreachable: had the run got as far as asking it, the error would be about it."""
     argv = ["--model_name_or_path", str(model_folder), "--output_dir", str(tmp_path / "run"), option, "./nope",
             "--backend", "llm", "--simulator_model", "m", "--base_url", "http://127.0.0.1:9/v1"]
-    with pytest.raises(simulator.InputError, match=r"\./nope: no such folder"):
+    with pytest.raises(common.InputError, match=r"\./nope: no such folder"):
         TRAINERS[trainer].main(argv)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py"])
 def test_the_scripts_print_an_input_error_as_one_line_without_a_traceback(tmp_path, script):
     (tmp_path / "taken").write_text("a file")
@@ -178,7 +180,7 @@ def test_resume_refuses_a_bad_line_in_the_middle_naming_it_and_leaves_the_file_a
     transcripts = tmp_path / "transcripts.jsonl"
     text = '{"step": 0}\n{"step": \n{"step": 1}\n'
     transcripts.write_text(text)
-    with pytest.raises(simulator.InputError, match=r"transcripts.jsonl:2: not valid JSON .*; mend or delete that line"):
+    with pytest.raises(common.InputError, match=r"transcripts.jsonl:2: not valid JSON .*; mend or delete that line"):
         rollout.keep_rows_before(transcripts, 1)
     assert transcripts.read_text() == text
 
@@ -187,7 +189,7 @@ def test_ppo_resume_over_a_bad_transcript_line_fails_before_any_model_loads(tmp_
     output_dir = tmp_path / "run"
     output_dir.mkdir()
     (output_dir / "transcripts.jsonl").write_text('{"step": 0}\nnot json\n{"step": 0}\n')
-    with pytest.raises(simulator.InputError, match=r"transcripts.jsonl:2: not valid JSON"):
+    with pytest.raises(common.InputError, match=r"transcripts.jsonl:2: not valid JSON"):
         train_ppo.main(["--model_name_or_path", str(model_folder), "--output_dir", str(output_dir), "--resume"])
 
 
@@ -206,7 +208,7 @@ def test_ppo_resume_of_a_finished_run_without_checkpoints_is_refused_keeping_its
     output_dir.mkdir()
     (output_dir / "transcripts.jsonl").write_text('{"step": 0}\n')
     (output_dir / "critic.pt").write_bytes(b"weights")
-    with pytest.raises(simulator.InputError, match="holds a finished run without checkpoints"):
+    with pytest.raises(common.InputError, match="holds a finished run without checkpoints"):
         train_ppo.main(["--model_name_or_path", str(model_folder), "--output_dir", str(output_dir), "--resume"])
     assert (output_dir / "transcripts.jsonl").read_text() == '{"step": 0}\n'
 

@@ -14,10 +14,10 @@ import zlib
 from pathlib import Path
 
 import pytest
-
-import eval_general
 from conftest import write_jsonl
 from fake_openai import FakeOpenAIServer
+
+import eval_general
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -100,6 +100,7 @@ def test_a_wrong_humaneval_solution_fails():
     assert verdict == {"passed": False, "result": "AssertionError"}
 
 
+@pytest.mark.slow
 def test_a_solution_that_loops_forever_is_stopped_at_the_timeout():
     item = humaneval_item()
     started = time.monotonic()
@@ -109,6 +110,7 @@ def test_a_solution_that_loops_forever_is_stopped_at_the_timeout():
     assert time.monotonic() - started < eval_general.HUMANEVAL_TIMEOUT + 3
 
 
+@pytest.mark.slow
 def test_a_looping_program_s_children_are_killed_too(tmp_path):
     marker = tmp_path / "child-alive"
     child = f"import time; time.sleep(3); open({str(marker)!r}, 'w')"
@@ -156,6 +158,7 @@ def kernel_allows_network_namespaces() -> bool:
     "import _socket\ns = _socket.socket()\ns.settimeout(2)\ns.connect(('127.0.0.1', {port}))",  # under the guard
     "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:{port}/', timeout=2)",
 ])
+@pytest.mark.slow
 @pytest.mark.parametrize("namespace", [True, False], ids=["namespace", "guard-only"])
 def test_a_solution_that_tries_the_network_fails_and_reaches_nothing(listening_server, connect, namespace,
                                                                      monkeypatch):
@@ -294,6 +297,7 @@ def test_the_livecodebench_prompt_is_the_official_generic_one(monkeypatch, start
     assert eval_general.LIVECODEBENCH_SYSTEM == PromptConstants.SYSTEM_MESSAGE_GENERIC
 
 
+@pytest.mark.slow
 def test_livecodebench_grades_stdin_programs_on_public_and_private_tests(livecodebench_items):
     item = livecodebench_items["abc001_a"]
     right = eval_general.grade_livecodebench(item, fenced("a, b = map(int, input().split())\nprint(a + b)"))
@@ -363,7 +367,7 @@ def test_the_punkt_data_written_offline_loads_in_nltk_as_the_same_model():
     eval_general.ifeval_checkers()
     text = "Mr. Brown arrived at 5 p.m. on Jan. 3. It rained. The U.S. team won, e.g. in Rome. Why? Nobody knows."
     assert PunktTokenizer("english").tokenize(text) == punkt.sent_tokenize(text)
-    assert str(eval_general.simulator.MODEL_CACHE / "nltk_data") in nltk.data.path
+    assert str(eval_general.common.MODEL_CACHE / "nltk_data") in nltk.data.path
 
 
 def test_ifeval_rows_load_from_the_real_file_when_present():
@@ -422,6 +426,7 @@ def test_the_comparison_pairs_items_by_id_and_uses_only_shared_ones():
     assert table["items"] == 3 and table["difference"] == 0 and table["interval"] == (0.0, 0.0)
 
 
+@pytest.mark.slow
 def test_compare_command_prints_a_table_from_two_result_folders(tmp_path):
     for name, correct in (("base", [True] * 30 + [False] * 10), ("trained", [True] * 10 + [False] * 30)):
         (tmp_path / name).mkdir()
@@ -467,6 +472,7 @@ def test_a_humaneval_run_writes_rows_and_a_summary_and_resumes(tiny_model_dir, t
     assert json.loads((out / "summary.json").read_text())["humaneval"]["items"] == 1
 
 
+@pytest.mark.slow
 def test_an_endpoint_in_think_mode_is_graded_on_the_text_after_the_thought(tmp_path):
     problem = humaneval_item()["problem"]
     solution = f"```python\n{problem['prompt']}{problem['canonical_solution']}```"
@@ -486,6 +492,7 @@ def test_an_endpoint_in_think_mode_is_graded_on_the_text_after_the_thought(tmp_p
     assert not row["verdict"]["passed"] and row["graded_response"] == ""
 
 
+@pytest.mark.slow
 def test_a_bad_task_name_or_missing_local_file_fails_before_any_model_loads(tmp_path):
     result = run_eval("--tasks", "math", "--model", "no/such-model")
     assert result.returncode != 0 and "--tasks 'math': must be one or more of math500" in result.stderr

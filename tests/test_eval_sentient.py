@@ -8,7 +8,9 @@ import pytest
 from conftest import REPO, profile_row, write_jsonl
 from fake_openai import FakeOpenAIServer
 
+import common
 import eval_sentient
+import rollout
 import simulator
 from eval_sentient import EvalArguments, ResultFileError, read_results, summarize
 
@@ -89,6 +91,7 @@ def test_a_malformed_result_row_names_its_file_and_line(tmp_path, line, message)
         read_results(path)
 
 
+@pytest.mark.slow
 def test_rescore_prints_a_leaderboard_best_first(tmp_path):
     weak = write_jsonl(tmp_path / "weak_result.jsonl", [official_row("a", [5]), official_row("b", [30])])
     strong = official_file(tmp_path / "strong_result.jsonl")
@@ -101,6 +104,7 @@ def test_rescore_prints_a_leaderboard_best_first(tmp_path):
     assert board[1][:4] == ["2", "weak_result.jsonl", "2", "17.5"] and board[1][5:7] == ["0", "1"]
 
 
+@pytest.mark.slow
 def test_rescore_of_a_broken_file_exits_with_its_location(tmp_path):
     broken = write_jsonl(tmp_path / "broken.jsonl", [official_row("a", [45]), "{oops"])
     finished = subprocess.run([sys.executable, str(REPO / "eval_sentient.py"), "--rescore", str(broken)],
@@ -127,7 +131,8 @@ class ScriptedUser(simulator.Simulator):
 
 
 def benchmark_user(profile, changes, messages=None):
-    settings = eval_sentient.new_simulator(profile, None, simulator.SimulatorArguments())
+    settings = rollout.new_simulator(profile, None, eval_sentient.benchmark_dialogues(eval_sentient.EvalArguments()),
+                                     simulator.SimulatorArguments())
     return ScriptedUser(profile, changes, messages, start_emotion=settings.emotion, max_turns=settings.max_turns,
                         change_bound=settings.change_bound)
 
@@ -206,6 +211,7 @@ def test_a_result_file_from_other_scenarios_is_refused(tiny_model_dir, tmp_path)
             tmp_path / "bench.jsonl")), output=str(output)), simulator.SimulatorArguments())
 
 
+@pytest.mark.slow
 def test_an_endpoint_models_thinking_never_reaches_the_simulator_or_itself(tmp_path):
     thought = "SECRET-THOUGHT she wants to be heard"
     reply = f"<think>{thought}</think>It sounds like Dana's absence really hurt you, and that makes sense."
@@ -247,11 +253,11 @@ def test_a_lora_folder_from_training_is_tested_on_its_base_model(tiny_model_dir,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    monkeypatch.setattr(simulator, "MODEL_CACHE", tmp_path / "cache")  # the merge's cache
+    monkeypatch.setattr(common, "MODEL_CACHE", tmp_path / "cache")  # the merge's cache
     torch.manual_seed(0)
     trained = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, init_lora_weights=False))
     trained.save_pretrained(tmp_path / "run")
-    merged = eval_sentient.loadable_model(str(tmp_path / "run"))
+    merged = common.loadable_model(str(tmp_path / "run"))
     model, tokenizer = AutoModelForCausalLM.from_pretrained(merged), AutoTokenizer.from_pretrained(merged)
     ids = torch.tensor([tokenizer("I hear you.")["input_ids"]])
     with torch.no_grad():

@@ -11,6 +11,7 @@ import sys
 import pytest
 from conftest import REPO
 
+import common
 import eval_general
 import eval_sentient
 import simulator
@@ -34,7 +35,7 @@ def vllm_log(monkeypatch, tmp_path):
 @pytest.fixture
 def merge_cache(monkeypatch, tmp_path):
     """Merged adapters go to this test's own cache, not the repository's."""
-    monkeypatch.setattr(simulator, "MODEL_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(common, "MODEL_CACHE", tmp_path / "cache")
     return tmp_path / "cache" / "merged"
 
 
@@ -105,6 +106,7 @@ def test_with_use_vllm_no_transformers_model_is_loaded(evaluation, tiny_model_di
     assert engine["model"] == str(tiny_model_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("evaluation", ["sentient", "general"])
 @pytest.mark.parametrize("use_vllm", [False, True], ids=["transformers", "vllm"])
 @pytest.mark.parametrize("trained", ["grpo_folder", "ppo_folder"])
@@ -125,7 +127,7 @@ def test_a_training_output_folder_is_evaluated(trained, use_vllm, evaluation, re
 
 
 def test_the_packaged_model_s_short_name_reaches_vllm_as_its_converted_folder(packaged_model, vllm_log, tmp_path):
-    assert run_sentient(simulator.PACKAGED_MODEL, tmp_path / "r.jsonl", use_vllm=True, limit=1)["n"] == 1
+    assert run_sentient(common.PACKAGED_MODEL, tmp_path / "r.jsonl", use_vllm=True, limit=1)["n"] == 1
     (engine,) = vllm_log("LLM_init")
     assert engine["model"] == packaged_model
 
@@ -138,15 +140,15 @@ def test_an_adapter_is_merged_once_and_again_after_retraining(ppo_folder, merge_
     from transformers import AutoModelForCausalLM
 
     folder = shutil.copytree(ppo_folder, tmp_path / "run")
-    first = eval_sentient.loadable_model(str(folder))
+    first = common.loadable_model(str(folder))
     with monkeypatch.context() as patch:
         patch.setattr(AutoModelForCausalLM, "from_pretrained", no_transformers_model)
-        assert eval_sentient.loadable_model(str(folder) + "/") == first  # from the cache
+        assert common.loadable_model(str(folder) + "/") == first  # from the cache
     weights = folder / "adapter_model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # saved again
-    assert eval_sentient.loadable_model(str(folder)) != first
+    assert common.loadable_model(str(folder)) != first
     assert sorted(f.name for f in merge_cache.iterdir()) == sorted(  # complete folders only, no .partial left
-        [os.path.basename(first), os.path.basename(eval_sentient.loadable_model(str(folder)))])
+        [os.path.basename(first), os.path.basename(common.loadable_model(str(folder)))])
 
 
 def test_a_folder_without_a_tokenizer_of_its_own_or_its_base_s_is_refused_naming_what_is_missing(
@@ -155,18 +157,18 @@ def test_a_folder_without_a_tokenizer_of_its_own_or_its_base_s_is_refused_naming
     model_only.mkdir()
     for name in ("config.json", "model.safetensors"):  # train_ppo.py with use_peft false
         shutil.copy(tiny_model_dir / name, model_only)
-    with pytest.raises(simulator.InputError, match=r"ppo-full holds a model but no tokenizer "
+    with pytest.raises(common.InputError, match=r"ppo-full holds a model but no tokenizer "
                                                    r"\(tokenizer_config.json\).*no adapter_config.json"):
-        eval_sentient.loadable_model(str(model_only))
+        common.loadable_model(str(model_only))
     adapter = shutil.copytree(ppo_folder, tmp_path / "ppo-adapter")
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps(config | {"base_model_name_or_path": str(model_only)}))
-    with pytest.raises(simulator.InputError, match=r"ppo-adapter holds no tokenizer \(tokenizer_config.json\), "
+    with pytest.raises(common.InputError, match=r"ppo-adapter holds no tokenizer \(tokenizer_config.json\), "
                                                    r"nor does its base model '.*ppo-full'"):
-        eval_sentient.loadable_model(str(adapter))
+        common.loadable_model(str(adapter))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(simulator.InputError, match=r"neither a model \(config.json\) nor a PEFT adapter"):
-        eval_sentient.loadable_model(str(tmp_path / "empty"))
+    with pytest.raises(common.InputError, match=r"neither a model \(config.json\) nor a PEFT adapter"):
+        common.loadable_model(str(tmp_path / "empty"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import simulator
+import common
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,7 +25,7 @@ def gpu_set_transformers() -> str:
 
 def overlay(version: str) -> Path:
     """A folder holding that transformers and what it needs beyond this environment (huggingface_hub < 2, httpx)."""
-    folder = simulator.MODEL_CACHE / f"transformers-{version}"
+    folder = common.MODEL_CACHE / f"transformers-{version}"
     if (folder / "transformers").is_dir():
         return folder
     wheels = folder.with_name(folder.name + ".wheels")

@@ -6,46 +6,47 @@ from dataclasses import dataclass
 
 import pytest
 
+import common
 import simulator
 
 
 def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"a": 1}\n{"name": "Jos\xe9"}\n')
-    with pytest.raises(simulator.InputError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9\); is it the profile"):
-        list(simulator.json_lines(path, "profile file"))
-    with pytest.raises(simulator.InputError, match=r"latin1.jsonl:2: not UTF-8 text"):
-        simulator.read_text(path, "replies file")
+    with pytest.raises(common.InputError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9\); is it the profile"):
+        list(common.json_lines(path, "profile file"))
+    with pytest.raises(common.InputError, match=r"latin1.jsonl:2: not UTF-8 text"):
+        common.read_text(path, "replies file")
 
 
 def test_a_folder_or_a_missing_file_is_said_to_be_one(tmp_path):
-    with pytest.raises(simulator.InputError, match="a folder; give the profile file itself"):
-        simulator.read_text(tmp_path, "profile file")
+    with pytest.raises(common.InputError, match="a folder; give the profile file itself"):
+        common.read_text(tmp_path, "profile file")
     with pytest.raises(simulator.ProfileError, match="nope.jsonl: profile file not found"):
-        list(simulator.json_lines(tmp_path / "nope.jsonl", "profile file", simulator.ProfileError))
+        list(common.json_lines(tmp_path / "nope.jsonl", "profile file", simulator.ProfileError))
 
 
 def test_a_bad_line_in_the_middle_is_an_error_even_where_a_cut_last_line_is_skipped(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"a": 1}\n{"a": \n{"a": 3}\n')
-    with pytest.raises(simulator.InputError, match=r"rows.jsonl:2: not valid JSON") as error:
-        list(simulator.json_lines(path, "transcript", skip_cut_last_line=True))
+    with pytest.raises(common.InputError, match=r"rows.jsonl:2: not valid JSON") as error:
+        list(common.json_lines(path, "transcript", skip_cut_last_line=True))
     assert "cut short" not in str(error.value)
 
 
 def test_a_last_line_cut_short_is_named_or_skipped_with_a_warning(tmp_path, capsys):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"a": 1}\n{"a": 2}\n{"a": 3, "b"')
-    with pytest.raises(simulator.InputError, match=r"rows.jsonl:3: .*the last line, cut short"):
-        list(simulator.json_lines(path, "transcript"))
-    assert [row for _, _, row in simulator.json_lines(path, "transcript", skip_cut_last_line=True)] == [{"a": 1}, {"a": 2}]
+    with pytest.raises(common.InputError, match=r"rows.jsonl:3: .*the last line, cut short"):
+        list(common.json_lines(path, "transcript"))
+    assert [row for _, _, row in common.json_lines(path, "transcript", skip_cut_last_line=True)] == [{"a": 1}, {"a": 2}]
     assert "rows.jsonl:3: the last line is cut short" in capsys.readouterr().err
 
 
 def test_a_whole_last_row_without_its_newline_is_read(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"a": 1}\n{"a": 2}')
-    assert [row for _, _, row in simulator.json_lines(path, "transcript")] == [{"a": 1}, {"a": 2}]
+    assert [row for _, _, row in common.json_lines(path, "transcript")] == [{"a": 1}, {"a": 2}]
 
 
 def test_appending_completes_a_whole_last_row_and_drops_a_cut_one(tmp_path, capsys):
@@ -53,7 +54,7 @@ def test_appending_completes_a_whole_last_row_and_drops_a_cut_one(tmp_path, caps
     whole.write_text('{"a": 1}\n{"a": 2}')
     cut.write_text('{"a": 1}\n{"a": 2, "b')
     for path in (whole, cut):
-        simulator.append_json_lines(path, [{"a": 9}])
+        common.append_json_lines(path, [{"a": 9}])
     assert [json.loads(line) for line in whole.read_text().splitlines()] == [{"a": 1}, {"a": 2}, {"a": 9}]
     assert [json.loads(line) for line in cut.read_text().splitlines()] == [{"a": 1}, {"a": 9}]
     err = capsys.readouterr().err
@@ -69,21 +70,21 @@ class Options:
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 def test_every_float_option_must_be_finite_even_without_a_rule(value):
-    with pytest.raises(simulator.ArgumentError, match=r"--rate .*: must be a finite number"):
-        simulator.check_options(Options(rate=value))
+    with pytest.raises(common.ArgumentError, match=r"--rate .*: must be a finite number"):
+        common.check_options(Options(rate=value))
 
 
 def test_a_non_finite_value_is_named_once_not_also_by_its_rule():
-    with pytest.raises(simulator.ArgumentError) as error:
-        simulator.check_options(Options(rate=float("nan")), rate=simulator.POSITIVE)
+    with pytest.raises(common.ArgumentError) as error:
+        common.check_options(Options(rate=float("nan")), rate=common.POSITIVE)
     assert str(error.value) == "--rate nan: must be a finite number"
 
 
 def test_rules_name_every_broken_option_and_leave_unset_ones_alone():
-    simulator.check_options(Options(), limit=simulator.AT_LEAST_ONE)
-    with pytest.raises(simulator.ArgumentError) as error:
-        simulator.check_options(Options(rate=0.0, count=0, limit=0), rate=simulator.POSITIVE,
-                                count=simulator.AT_LEAST_ONE, limit=simulator.AT_LEAST_ONE)
+    common.check_options(Options(), limit=common.AT_LEAST_ONE)
+    with pytest.raises(common.ArgumentError) as error:
+        common.check_options(Options(rate=0.0, count=0, limit=0), rate=common.POSITIVE,
+                                count=common.AT_LEAST_ONE, limit=common.AT_LEAST_ONE)
     assert str(error.value) == ("--rate 0.0: must be above 0; --count 0: must be at least 1; "
                                 "--limit 0: must be at least 1")
 
@@ -99,60 +100,60 @@ def parser():
 def test_a_config_with_a_misspelt_key_names_it_and_the_likely_one(tmp_path, parser):
     path = tmp_path / "run.yaml"
     path.write_text("learning_rate: 1.0e-6\nmax_step: 10\n")
-    with pytest.raises(simulator.InputError, match=r"run.yaml: unknown option\(s\): max_step \(did you mean max_steps\?\)"):
-        simulator.read_config(path, parser)
+    with pytest.raises(common.InputError, match=r"run.yaml: unknown option\(s\): max_step \(did you mean max_steps\?\)"):
+        common.read_config(path, parser)
     path.write_text("learning_rate: 1.0e-6\nmax_steps: 10\n")
-    assert simulator.read_config(path, parser) == {"learning_rate": 1e-6, "max_steps": 10}
+    assert common.read_config(path, parser) == {"learning_rate": 1e-6, "max_steps": 10}
 
 
 def test_a_config_may_hold_the_extra_keys_its_parser_reads_itself(tmp_path, parser):
     path = tmp_path / "run.yaml"
     path.write_text("env:\n  WANDB_PROJECT: rlver\nmax_steps: 10\n")
-    with pytest.raises(simulator.InputError, match=r"unknown option\(s\): env"):
-        simulator.read_config(path, parser)
-    assert simulator.read_config(path, parser, extra_keys=("env",))["env"] == {"WANDB_PROJECT": "rlver"}
+    with pytest.raises(common.InputError, match=r"unknown option\(s\): env"):
+        common.read_config(path, parser)
+    assert common.read_config(path, parser, extra_keys=("env",))["env"] == {"WANDB_PROJECT": "rlver"}
 
 
 def test_a_config_that_is_not_yaml_or_not_a_mapping_is_named_with_its_line(tmp_path, parser):
     path = tmp_path / "run.yaml"
     path.write_text("learning_rate: 1.0e-6\nmax_steps: [10\n")
-    with pytest.raises(simulator.InputError, match=r"run.yaml:3: not valid YAML"):
-        simulator.read_config(path, parser)
+    with pytest.raises(common.InputError, match=r"run.yaml:3: not valid YAML"):
+        common.read_config(path, parser)
     path.write_text("- learning_rate\n")
-    with pytest.raises(simulator.InputError, match="a config is a mapping of option: value, got list"):
-        simulator.read_config(path, parser)
+    with pytest.raises(common.InputError, match="a config is a mapping of option: value, got list"):
+        common.read_config(path, parser)
     path.write_bytes(b"\x89PNG\r\n\x1a\n")
-    with pytest.raises(simulator.InputError, match="not UTF-8 text"):
-        simulator.read_config(path, parser)
+    with pytest.raises(common.InputError, match="not UTF-8 text"):
+        common.read_config(path, parser)
 
 
 def test_an_output_folder_under_a_file_is_refused_and_nothing_is_created(tmp_path):
     (tmp_path / "file").write_text("")
-    with pytest.raises(simulator.InputError, match=r"--output_dir .*/file/run: .*/file is a file, not a folder"):
-        simulator.check_output_folder(tmp_path / "file" / "run", "output_dir")
-    simulator.check_output_folder(tmp_path / "new" / "run", "output_dir")
+    with pytest.raises(common.InputError, match=r"--output_dir .*/file/run: .*/file is a file, not a folder"):
+        common.check_output_folder(tmp_path / "file" / "run", "output_dir")
+    common.check_output_folder(tmp_path / "new" / "run", "output_dir")
     assert not (tmp_path / "new").exists()
 
 
 def test_a_model_that_is_no_folder_and_no_reachable_hub_id_fails_at_once(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    with pytest.raises(simulator.InputError, match=r"^--model \./nope: no such folder \(and not a hub id"):
-        simulator.resolve_model("./nope", "model")
-    with pytest.raises(simulator.InputError, match=r"runs/nope: no such folder, and not in the hub cache .*"
+    with pytest.raises(common.InputError, match=r"^--model \./nope: no such folder \(and not a hub id"):
+        common.resolve_model("./nope", "model")
+    with pytest.raises(common.InputError, match=r"runs/nope: no such folder, and not in the hub cache .*"
                                                    r"HF_HUB_OFFLINE is set"):
-        simulator.resolve_model("runs/nope")
-    with pytest.raises(simulator.InputError, match="a folder without a model"):
-        simulator.resolve_model(str(tmp_path))
+        common.resolve_model("runs/nope")
+    with pytest.raises(common.InputError, match="a folder without a model"):
+        common.resolve_model(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
-    assert simulator.resolve_model(str(tmp_path)) == str(tmp_path)
+    assert common.resolve_model(str(tmp_path)) == str(tmp_path)
 
 
 def test_a_hub_id_the_hub_cannot_be_asked_for_says_so(monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")  # nothing listens on port 9
-    with pytest.raises(simulator.InputError, match=r"org/model: .*the hub \(127.0.0.1\) cannot be reached"):
-        simulator.resolve_model("org/model")
+    with pytest.raises(common.InputError, match=r"org/model: .*the hub \(127.0.0.1\) cannot be reached"):
+        common.resolve_model("org/model")
 
 
 def test_the_rule_backend_refuses_chinese_dialogues_naming_why(make_profile):

@@ -8,7 +8,8 @@ import pytest
 from fake_openai import FakeOpenAIServer
 
 import simulator
-from simulator import ChatClient, LLMSimulator, SimulatorError
+from common import ChatClient, EndpointError
+from simulator import LLMSimulator, SimulatorError
 
 
 def run(coroutine):
@@ -47,7 +48,7 @@ def test_emotion_states_follow_the_thresholds(emotion, state):
 
 def test_start_values_and_turn_limits_are_the_papers():
     assert (simulator.TRAIN_START_EMOTION, simulator.BENCHMARK_START_EMOTION) == (30, 40)
-    assert (simulator.TRAIN_MAX_TURNS, simulator.BENCHMARK_MAX_TURNS) == (8, 9)  # SAGE never scores its 10th reply
+    assert (simulator.PAPER_MAX_TURNS, simulator.BENCHMARK_MAX_TURNS) == (8, 9)  # SAGE never scores its 10th reply
     assert simulator.CHANGE_BOUND == 10
 
 
@@ -177,6 +178,7 @@ def test_server_errors_are_retried_by_the_client(make_profile):
     assert turns[0].change == 5
 
 
+@pytest.mark.slow
 def test_calls_retries_failures_and_tokens_are_counted_per_dialogue_and_client(make_profile):
     from fake_openai import usage_of
 
@@ -186,7 +188,7 @@ def test_calls_retries_failures_and_tokens_are_counted_per_dialogue_and_client(m
         for sim in (first, second):
             await sim.open()
         await first.respond("a")  # a 500, a hang and a truncated body, each retried once
-        with pytest.raises(SimulatorError):
+        with pytest.raises(EndpointError):
             await second.respond("b")  # two 503s: past its one retry
         return chat, first, second
 
@@ -203,10 +205,11 @@ def test_calls_retries_failures_and_tokens_are_counted_per_dialogue_and_client(m
 
 def test_persistent_server_errors_fail_with_the_endpoint_named(make_profile):
     with FakeOpenAIServer([{"status": 503}] * 4) as server:
-        with pytest.raises(SimulatorError, match=r"127\.0\.0\.1.*failed after retries"):
+        with pytest.raises(EndpointError, match=r"127\.0\.0\.1.*failed after retries"):
             run(dialogue(server, make_profile(first_talk="Hi."), ["a"]))
 
 
+@pytest.mark.slow
 def test_a_429_is_retried_after_the_servers_retry_after(make_profile):
     with FakeOpenAIServer([{"status": 429, "retry_after": 1}, analysis(+5), "Okay."]) as server:
         started = time.monotonic()
@@ -216,6 +219,7 @@ def test_a_429_is_retried_after_the_servers_retry_after(make_profile):
     assert waited >= 1.0  # the client's own back-off would have waited about 0.5 s
 
 
+@pytest.mark.slow
 def test_a_hanging_call_times_out_and_is_retried(make_profile):
     with FakeOpenAIServer([{"hang": 5, "text": analysis(-9)}, analysis(+5), "Okay."]) as server:
         started = time.monotonic()
@@ -223,10 +227,11 @@ def test_a_hanging_call_times_out_and_is_retried(make_profile):
         assert time.monotonic() - started < 4 and turns[0].change == 5  # the late answer is never read
 
 
+@pytest.mark.slow
 def test_a_call_that_keeps_hanging_fails_within_its_bound(make_profile):
     with FakeOpenAIServer([{"hang": 5}] * 2) as server:
         started = time.monotonic()
-        with pytest.raises(SimulatorError, match="failed after retries"):
+        with pytest.raises(EndpointError, match="failed after retries"):
             run(dialogue(server, make_profile(first_talk="Hi."), ["a"], timeout=0.5))
         assert time.monotonic() - started < 4  # 2 x 0.5 s timeouts plus one back-off
 
@@ -248,13 +253,13 @@ def test_an_empty_user_message_is_asked_again_then_fails_clearly(make_profile):
 
 def test_unreachable_endpoint_fails_at_check_with_what_to_do():
     chat = ChatClient("http://127.0.0.1:9/v1", "sim-model", max_retries=0, timeout=2)
-    with pytest.raises(SimulatorError, match="cannot reach the simulator endpoint.*base URL"):
+    with pytest.raises(EndpointError, match="cannot reach the simulator endpoint.*base URL"):
         run(chat.check())
 
 
 def test_check_names_a_model_the_server_does_not_serve():
     with FakeOpenAIServer(models=["other-model"]) as server:
-        with pytest.raises(SimulatorError, match="'sim-model' is not served"):
+        with pytest.raises(EndpointError, match="'sim-model' is not served"):
             run(ChatClient(server.base_url, "sim-model", max_retries=0).check())
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from fake_openai import FakeOpenAIServer
 
+import common
 import eval_sentient
 import official
 import rollout
@@ -298,7 +299,7 @@ def test_a_sage_benchmark_dialogue_matches_the_official_loop(name, tmp_path, mon
     result, official_prompts = run_test_npc(tmp_path, profile, script, npc_replies, monkeypatch)
 
     async def ours(server):
-        chat = simulator.ChatClient(server.base_url, "sim-model", max_retries=0)
+        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
         user = simulator.make_simulator(profile, chat, official.load("sage", str(REPO)),
                                         start_emotion=simulator.BENCHMARK_START_EMOTION,
                                         max_turns=simulator.BENCHMARK_MAX_TURNS)
@@ -320,11 +321,11 @@ def test_a_sage_benchmark_dialogue_matches_the_official_loop(name, tmp_path, mon
 # --------------------------------------------------------------------------------------------
 
 def test_a_missing_checkout_is_refused_before_anything_loads(tmp_path):
-    with pytest.raises(simulator.ArgumentError, match="needs --official_repo"):
+    with pytest.raises(common.ArgumentError, match="needs --official_repo"):
         simulator.SimulatorArguments(backend="llm", simulator_prompts="sage")
-    with pytest.raises(simulator.ArgumentError, match="no such folder"):
+    with pytest.raises(common.ArgumentError, match="no such folder"):
         simulator.SimulatorArguments(backend="llm", simulator_prompts="sage", official_repo=str(tmp_path / "none"))
-    with pytest.raises(simulator.ArgumentError, match=r"SAGE/simulator_response.py is missing"):
+    with pytest.raises(common.ArgumentError, match=r"SAGE/simulator_response.py is missing"):
         simulator.SimulatorArguments(backend="llm", policy_prompts="sage", official_repo=str(tmp_path))
 
 
@@ -340,7 +341,7 @@ def test_a_changed_template_is_refused_and_a_filled_in_stub_is_not(tmp_path):
     assert official.load("sage", str(tmp_path / "repo")).analysis == official.load("sage", str(REPO)).analysis
     path.write_text(filled.replace("emotion分析器", "情绪分析器", 1), encoding="utf-8")
     official.load.cache_clear()
-    with pytest.raises(simulator.ArgumentError, match=r"template in planning_reply\(\) differs"):
+    with pytest.raises(common.ArgumentError, match=r"template in planning_reply\(\) differs"):
         simulator.SimulatorArguments(backend="llm", simulator_prompts="sage", official_repo=str(tmp_path / "repo"))
 
 
@@ -348,7 +349,7 @@ def test_a_changed_template_is_refused_and_a_filled_in_stub_is_not(tmp_path):
 def test_official_user_prompts_need_an_llm_and_have_one_variant():
     with pytest.raises(simulator.SimulatorError, match="needs an LLM"):
         simulator.check_backend([], simulator.SimulatorArguments(simulator_prompts="rlver", official_repo=str(REPO)))
-    with pytest.raises(simulator.ArgumentError, match="one variant"):
+    with pytest.raises(common.ArgumentError, match="one variant"):
         simulator.SimulatorArguments(backend="llm", simulator_prompts="sage", variant="challenging",
                                      official_repo=str(REPO))
 
@@ -379,7 +380,7 @@ def test_eval_sentient_with_sage_prompts_sends_the_official_prompts(tmp_path):
 
 @needs_repo
 def test_training_dialogues_with_rlver_prompts_play_as_rlver_did(tiny_model_dir):
-    """What both trainers run (`rollout.rollout_config` from their options): RLVER's policy prompt, an opening
+    """What both trainers run (`rollout.DialogueRunner` over their options): RLVER's policy prompt, an opening
     the user writes with RLVER's reply prompt, then RLVER's analysis of each reply from emotion 30."""
     from transformers import AutoTokenizer
 
@@ -393,7 +394,7 @@ def test_training_dialogues_with_rlver_prompts_play_as_rlver_did(tiny_model_dir)
     with FakeOpenAIServer(models=["sim-model"], respond=respond) as server:
         options = simulator.SimulatorArguments(backend="llm", base_url=server.base_url, simulator_model="sim-model",
                                                simulator_prompts="rlver", policy_prompts="rlver", official_repo=str(REPO))
-        runner = rollout.DialogueRunner(tokenizer, rollout.rollout_config(rollout.DialogueArguments(max_turns=2), options),
+        runner = rollout.DialogueRunner(tokenizer, rollout.DialogueArguments(max_turns=2), options,
                                         simulator.make_chat(options))
         try:
             openings = runner.openings([profile])

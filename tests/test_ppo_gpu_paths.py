@@ -355,6 +355,7 @@ def test_under_zero2_an_update_in_micro_batches_is_the_update_on_the_whole_minib
 # Refused at start-up
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_missing_tracker_package_stops_the_run_before_any_model_loads(tmp_path):
     from accelerate.tracking import get_available_trackers
 

@@ -125,6 +125,7 @@ def test_a_config_that_leaves_out_demo_keys_is_warned_about_by_name(tmp_path):
 # Start-up checks for GPU runs
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_tracker_whose_package_is_missing_is_refused_before_any_model_loads(tmp_path):
     if train_grpo.missing_trackers(["trackio"]) == []:
         pytest.skip("trackio is installed here")

@@ -9,6 +9,7 @@ from conftest import profile_row, write_jsonl
 import report
 import simulator
 
+
 class Page(HTMLParser):
     """Collects scripts, dialogues (with their chart data) and all text of a page."""
 
@@ -322,8 +323,8 @@ def test_the_report_reads_what_a_real_rollout_wrote(tiny_model_dir, tmp_path):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    runner = rollout.DialogueRunner(tokenizer, rollout.RolloutConfig(think=True, max_turns=2, max_think_tokens=4,
-                                                                     max_reply_tokens=6))
+    runner = rollout.DialogueRunner(tokenizer, rollout.DialogueArguments(
+        think=True, max_turns=2, max_think_tokens=4, max_reply_tokens=6, max_dialogue_tokens=8192))
     profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES)[:2]
     openings = runner.openings(profiles)
     generate = rollout.TransformersGenerator(model, tokenizer, GenerationConfig(

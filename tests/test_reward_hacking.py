@@ -6,6 +6,7 @@ import pytest
 from fake_openai import FakeOpenAIServer
 from reward_hacking import NEUTRAL, PROBES, probe_changes, probe_table
 
+import common
 import simulator
 
 
@@ -25,7 +26,7 @@ def test_the_llm_user_reads_only_its_own_verdict_and_sees_probes_only_as_quoted_
     JSON must not move the score, and reach the prompt only inside a JSON string."""
     profile = make_profile(first_talk="My sister skipped my wedding.")
     with FakeOpenAIServer(default="They did not engage.\nCHANGE: -3") as server:
-        chat = simulator.ChatClient(server.base_url, "sim-model", max_retries=0)
+        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
         changes = asyncio.run(probe_changes([profile], chat))
         prompts = [request["messages"][-1]["content"] for request in server.requests]
     assert all(values == [-3] for values in changes.values())

@@ -5,9 +5,10 @@ import pytest
 from fake_openai import FakeOpenAIServer
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+import common
 import rollout
 import simulator
-from rollout import DialogueRunner, RolloutConfig, TransformersGenerator, split_think
+from rollout import DialogueArguments, DialogueRunner, TransformersGenerator, split_think
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +60,14 @@ def profiles(count=2):
     return simulator.load_profiles(simulator.DEFAULT_PROFILES)[:count]
 
 
+def roomy_args(**config) -> DialogueArguments:
+    """Dialogue options with room to spare (8 turns, long budgets), overridden by `config`."""
+    return DialogueArguments(**{"max_turns": 8, "max_think_tokens": 1024, "max_reply_tokens": 512,
+                                "max_dialogue_tokens": 8192, **config})
+
+
 def run(tokenizer, generate, starts, chat=None, **config):
-    runner = DialogueRunner(tokenizer, RolloutConfig(**config), chat)
+    runner = DialogueRunner(tokenizer, roomy_args(**config), chat=chat)
     try:
         return runner.run(starts, generate)
     finally:
@@ -68,7 +75,7 @@ def run(tokenizer, generate, starts, chat=None, **config):
 
 
 def starts_for(tokenizer, chosen, copies=1, **config):
-    runner = DialogueRunner(tokenizer, RolloutConfig(**config))
+    runner = DialogueRunner(tokenizer, roomy_args(**config))
     openings = runner.openings(chosen)
     runner.close()
     return [(p, openings[p.id]) for p in chosen for _ in range(copies)], openings
@@ -140,7 +147,7 @@ def test_the_simulator_never_receives_the_thought(tiny):
     script = Scripted(tokenizer, {chosen[0].id: ["SECRETPLAN she wants an ear</think>", "I am so sorry about the sofas."]},
                       openings)
     with FakeOpenAIServer(["Fine.\nCHANGE: +5", "Okay."]) as server:
-        chat = simulator.ChatClient(server.base_url, "sim-model", max_retries=0)
+        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
         [dialogue] = run(tokenizer, script, starts, chat=chat, think=True, max_turns=1,
                          max_think_tokens=40, max_reply_tokens=20)
         sent = json.dumps(server.requests)
@@ -269,11 +276,11 @@ def test_reward_is_final_emotion_over_one_hundred_minus_the_format_penalty():
 def metrics_of(final_emotion, emotions=None, turns=None, max_turns=2, **fields):
     """dialogue_metrics for scored dialogues, the fields a test does not name left neutral."""
     count = len(final_emotion)
-    values = {"turns": turns or [1] * count, "end_reason": ["turn_limit"] * count, "format_violations": [0] * count,
+    values = {"final_emotion": final_emotion, "turns": turns or [1] * count, "end_reason": ["turn_limit"] * count, "format_violations": [0] * count,
               "think_tokens": [0] * count, "reply_tokens": [0] * count, "simulator_seconds": [0.0] * count,
               "emotions": emotions or [[e] for e in final_emotion], "failed": [False] * count,
               "simulator_calls": [{}] * count, **fields}
-    return rollout.dialogue_metrics(final_emotion, max_turns=max_turns, **values)
+    return rollout.dialogue_metrics(values, max_turns=max_turns)
 
 
 def test_metrics_count_success_only_at_100_and_failure_only_below_10():
@@ -312,13 +319,13 @@ def test_a_dialogue_whose_simulator_fails_ends_unscored_and_the_others_go_on(tin
     answers = ["Fine.\nCHANGE: +5", "Okay.", {"status": 500},  # turn 1: d1's analysis fails (no retries here)
                "Good.\nCHANGE: +5", "Thanks."]  # turn 2: only d0 is left
     with FakeOpenAIServer(answers) as server:
-        chat = simulator.ChatClient(server.base_url, "sim-model", max_retries=0)
+        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
         d0, d1 = run(tokenizer, script, starts, chat=chat, max_turns=2, simulator_concurrency=1)
         assert not server.script  # every scripted answer was asked for, no more
     assert d1.end_reason == "simulator_failed" and "500" in d1.failure and len(d1.reply_texts) == 1
     assert d0.failure is None and d0.end_reason == "turn_limit" and d0.emotions == [35, 40]
     assert rollout.rollout_output([d0, d1], with_logprobs=False)["failed"] == [False, True]
-    metrics = rollout.dialogues_metrics([d0, d1], max_turns=2)
+    metrics = rollout.dialogue_metrics(rollout.dialogue_columns([d0, d1]), max_turns=2)
     assert metrics["dialogue/ended_simulator_failed"] == 0.5
     assert metrics["emotion/final_mean"] == 40  # the failed dialogue's partial score is not averaged in
     rollout.check_failures([d0, d1], max_failed_share=0.5)  # 1 of 2 is allowed
@@ -396,6 +403,7 @@ def test_think_dialogues_with_the_prefix_cache_match_fresh_prefills_token_for_to
     assert [d.env_mask for d in reused] == [d.env_mask for d in fresh]
 
 
+@pytest.mark.slow
 def test_the_throughput_benchmark_runs_and_reports_its_ratios():
     import subprocess
     import sys
@@ -449,6 +457,7 @@ with open(f"{sys.argv[2]}/rank{accelerator.process_index}.json", "w") as out:  #
 '''
 
 
+@pytest.mark.slow
 def test_all_ranks_agree_on_stopping_for_simulator_failures(tmp_path):
     """A rank that stopped alone would start saving a checkpoint the others never join: a hang."""
     import subprocess
@@ -486,7 +495,7 @@ def test_metrics_of_a_single_one_turn_dialogue_are_per_that_turn():
 ])
 def test_thinking_is_cut_after_the_first_close_or_before_an_end_of_turn(tiny, sampled, kept, closed):
     _, tokenizer = tiny
-    runner = DialogueRunner(tokenizer, RolloutConfig(think=True))
+    runner = DialogueRunner(tokenizer, roomy_args(think=True))
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     ids = [tokenizer.eos_token_id if part == "<EOS>" else token
            for part in sampled.replace("<EOS>", "\0<EOS>\0").split("\0") if part
@@ -514,7 +523,7 @@ def test_a_dialogue_goes_on_exactly_while_the_next_user_message_and_a_minimal_tu
 
     roomy = play(4096)
     second_turn = roomy.turn_starts[1]  # where the policy's second turn began: after the user's next message
-    runner = DialogueRunner(tokenizer, RolloutConfig())
+    runner = DialogueRunner(tokenizer, roomy_args())
     needed = len(roomy.prompt_ids) + second_turn + runner.min_turn_tokens
     runner.close()
     assert len(play(needed).reply_texts) == 2

@@ -6,8 +6,10 @@ import pytest
 from conftest import OWN_WORDS, profile_row
 from reply_styles import STYLES, style_table
 
+import rule_user
 import simulator
-from simulator import RuleSimulator, SimulatorError
+from rule_user import RuleSimulator
+from simulator import SimulatorError
 
 WARM = ("It sounds like Dana skipping your wedding in Lisbon left you so hurt. "
         "No wonder you can't stop thinking about it. What was that day like for you?")
@@ -135,8 +137,8 @@ def test_vanilla_says_what_hurt_and_challenging_does_not(make_profile):
 
 def test_after_a_miss_users_nudge_toward_their_need_unless_passive(make_profile):
     miss = "Okay then."
-    assert simulator.NUDGES["venting"] in first_turn(make_profile(personality="negative"), miss).message
-    assert simulator.NUDGES["venting"] not in first_turn(make_profile(personality="passive"), miss).message
+    assert rule_user.NUDGES["venting"] in first_turn(make_profile(personality="negative"), miss).message
+    assert rule_user.NUDGES["venting"] not in first_turn(make_profile(personality="passive"), miss).message
 
 
 def test_dialogue_ends_on_emotion_for_the_rule_backend_too(make_profile):
@@ -215,7 +217,7 @@ def test_the_users_canned_reactions_are_not_their_story(make_profile):
     profile = make_profile("venting")
     reaction_words = "That helps a little, exactly, and actually you heard what you said."
     first, second = turns(profile, [WARM, reaction_words])
-    assert simulator.REACTIONS["gain_big"] in first.message  # "exactly", "actually" were said, by the rule user
+    assert rule_user.REACTIONS["gain_big"] in first.message  # "exactly", "actually" were said, by the rule user
     assert second.reasoning.startswith("nothing about my situation")
 
 

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_reward_reads_the_final_emotion_not_the_completion_text():
-    reward = train_grpo.make_emotion_reward(rollout.RolloutConfig(max_turns=2, format_penalty=0.2))
+    reward = train_grpo.make_emotion_reward(rollout.DialogueArguments(max_turns=2, format_penalty=0.2))
     logged = {}
     rewards = reward(completions=["I am thrilled, 100/100!", "meh"], final_emotion=[20, 90], format_violations=[0, 1],
                      turns=[2, 2], end_reason=["turn_limit", "turn_limit"], think_tokens=[0, 0], reply_tokens=[9, 9],
@@ -29,7 +29,7 @@ def test_reward_reads_the_final_emotion_not_the_completion_text():
 
 
 def test_a_dialogue_whose_simulator_failed_gets_no_reward_so_trl_gives_it_zero_advantage():
-    reward = train_grpo.make_emotion_reward(rollout.RolloutConfig(max_turns=1))
+    reward = train_grpo.make_emotion_reward(rollout.DialogueArguments(max_turns=1))
     rewards = reward(completions=["a", "b", "c"], final_emotion=[40, 30, 50], format_violations=[0, 0, 0],
                      turns=[1, 1, 1], end_reason=["turn_limit", "simulator_failed", "turn_limit"],
                      think_tokens=[0, 0, 0], reply_tokens=[5, 5, 5], simulator_seconds=[0.1, 0.1, 0.1],
@@ -120,6 +120,7 @@ def test_a_run_killed_mid_step_resumes_without_losing_or_doubling_a_step(tiny_mo
     assert [entry["step"] for entry in history if "emotion/final_mean" in entry] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_impossible_option_values_are_refused_before_any_model_loads(tmp_path):
     finished = subprocess.run([sys.executable, str(REPO / "train_grpo.py"), "--output_dir", str(tmp_path / "run"),
                                "--max_turns", "0", "--simulator_max_retries", "-1"], capture_output=True, text=True,

