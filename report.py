@@ -29,7 +29,6 @@ from pathlib import Path
 import common
 import simulator
 
-OUTCOMES = ("success", "failure", "other", "simulator failed")
 COLORS = ("#2b6cb0", "#dd6b20")  # run A, run B
 
 
