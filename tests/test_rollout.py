@@ -335,9 +335,9 @@ def test_a_dialogue_whose_simulator_fails_ends_unscored_and_the_others_go_on(tin
         rollout.check_failures([d1], max_failed_share=1.0)  # nothing left to learn from
 
 
-def greedy_generator(model, tokenizer):
+def greedy_generator(model, tokenizer, prefix_cache: bool = True):
     config = GenerationConfig(do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return TransformersGenerator(model, tokenizer, config)
+    return TransformersGenerator(model, tokenizer, config, prefix_cache)
 
 
 def count_prefilled_tokens(model, counts: list):
@@ -398,9 +398,15 @@ def test_think_dialogues_with_the_prefix_cache_match_fresh_prefills_token_for_to
     starts, _ = starts_for(tokenizer, profiles(2))
     settings = dict(think=True, max_turns=3, max_think_tokens=6, max_reply_tokens=10)
     reused = run(tokenizer, greedy_generator(model, tokenizer), starts, **settings)
-    fresh = run(tokenizer, lambda c, b, stop=None: greedy_generator(model, tokenizer)(c, b, stop=stop), starts, **settings)
+    prefills = []
+    handle = count_prefilled_tokens(model, prefills)
+    try:  # the off switch (--prefix_cache false): every call prefills its whole contexts
+        fresh = run(tokenizer, greedy_generator(model, tokenizer, prefix_cache=False), starts, **settings)
+    finally:
+        handle.remove()
     assert [d.completion_ids for d in reused] == [d.completion_ids for d in fresh]
     assert [d.env_mask for d in reused] == [d.env_mask for d in fresh]
+    assert len(prefills) == 6 and all(width >= len(fresh[0].prompt_ids) for width in prefills)  # 3 turns x 2 phases
 
 
 @pytest.mark.slow
