@@ -175,13 +175,19 @@ def read_config(path, parser, extra_keys: tuple[str, ...] = ()) -> dict:
 
 
 def config_file(argv: list[str]) -> str | None:
-    """The YAML file after --config (TrlParser knows only this spelling, not --config=FILE)."""
+    """The YAML file of `--config FILE` or `--config=FILE`, None without one."""
+    argv = split_config_flag(argv)
     if "--config" not in argv:
         return None
     index = argv.index("--config") + 1
     if index == len(argv) or argv[index].startswith("--"):
         raise ArgumentError("--config needs a YAML file")
     return argv[index]
+
+
+def split_config_flag(argv: list[str]) -> list[str]:
+    """`--config=FILE` as `--config FILE`, the only spelling TrlParser reads."""
+    return [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
 
 
 def parse_arguments(parser, argv: list[str], hint=lambda message: "") -> tuple:
@@ -192,7 +198,7 @@ def parse_arguments(parser, argv: list[str], hint=lambda message: "") -> tuple:
         path = config_file(argv)
         if path is not None:  # its faults by file:line, before TrlParser reads it
             read_config(path, parser, extra_keys=("env",))
-        return parser.parse_args_and_config(argv)
+        return parser.parse_args_and_config(split_config_flag(argv))
     except ArgumentError as error:  # a value that cannot work: usage and what to fix, exit 2
         parser.error(str(error))
     except InputError:  # a bad --config file: one line naming it, exit 1, no usage

@@ -75,6 +75,16 @@ def test_grpo_reads_the_config_for_its_demo_defaults_warning_through_the_same_re
         train_grpo.demo_defaults_kept(["--config", str(config)])
 
 
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_both_trainers_read_config_equals_file_as_config_file(tmp_path, trainer):
+    config = tmp_path / "run.yaml"
+    config.write_text("max_turns: 5\nstart_emotion: 45\n")
+    for argv in (["--config", str(config)], [f"--config={config}"]):
+        dialogue_args = TRAINERS[trainer].parse_arguments(argv)[0 if trainer == "grpo" else 1]
+        assert (dialogue_args.max_turns, dialogue_args.start_emotion) == (5, 45)
+    assert train_grpo.demo_defaults_kept([f"--config={config}"]) == train_grpo.demo_defaults_kept(["--config", str(config)])
+
+
 def test_ppo_checks_option_values_once_the_configs_are_in(tmp_path):
     """The YAML's minibatch_size makes the flag's micro_batch_size valid: no value is judged without it."""
     config = tmp_path / "run.yaml"
