@@ -40,6 +40,7 @@ from transformers import (  # noqa: E402
 )
 
 import common  # noqa: E402
+import policy  # noqa: E402
 import rollout  # noqa: E402
 import simulator  # noqa: E402
 
@@ -132,7 +133,7 @@ def play(args, model, tokenizer, base_url: str, concurrency: int, starts) -> dic
     generation = GenerationConfig(do_sample=False, min_new_tokens=args.reply_tokens,
                                   eos_token_id=tokenizer.eos_token_id,
                                   pad_token_id=tokenizer.pad_token_id)
-    generate = TimedGenerator(rollout.TransformersGenerator(model, tokenizer, generation))
+    generate = TimedGenerator(policy.TransformersGenerator(model, tokenizer, generation))
     started = time.perf_counter()
     dialogues = runner.run(starts, generate)
     wall = time.perf_counter() - started

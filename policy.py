@@ -1,0 +1,344 @@
+"""The policy's side of a dialogue: its system prompt, the think-then-say format, and sampling backends
+(token-id contexts in, sampled ids and their logprobs out). rollout.py plays dialogues with these; the
+evaluations sample the tested model with them.
+
+Think-then-say: the policy writes `<think>...</think>`, then its reply; only the text after the last
+`</think>` reaches the simulated user (`split_think`).
+
+Backends: `TransformersGenerator` (model.generate, CPU or GPU; by default it reuses the key-value cache of
+its previous call, `PrefixCache`, and `--prefix_cache false` turns that off); inside TRL training with
+`use_vllm`, `VLLMGenerator` over `trainer.vllm_generation`; elsewhere (train_ppo.py), `VLLMServerGenerator`
+over `trl vllm-serve`; for evaluation, `VLLMEngineGenerator` (an in-process engine). The vLLM ones are
+rehearsed on CPU against a fake vLLM (tests/fake_vllm), not yet run on a GPU.
+"""
+import copy
+from contextlib import contextmanager
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+import common
+
+# transformers 5.24 renamed generate's `past_key_values` (argument and output field) to `cache`; the GPU set
+# (requirements-gpu.txt) has 5.17, which vLLM 0.31 requires. Both are tested.
+GENERATE_CACHE_NAME = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt and format: the system prompt, think parsing, the tokens that end a turn
+# --------------------------------------------------------------------------------------------
+
+def policy_system_prompt(language: str, think: bool, name: str = "policy", official_prompts=None) -> str:
+    """Ours from prompts/ (stripped), or the released code's as it is (`official.OfficialPrompts`)."""
+    if official_prompts is not None:
+        return official_prompts.policy_prompt(think)
+    path = common.PROMPTS_DIR / language / (f"{name}_think.txt" if think else f"{name}.txt")
+    return path.read_text(encoding="utf-8").strip()
+
+
+def split_think(text: str, think: bool) -> tuple[str, str, bool]:
+    """(think_text, reply_text, format_ok) for one raw policy turn. Only reply_text may reach the
+    simulator: with an unclosed <think> the whole turn is thought and the reply is empty."""
+    if not think:
+        return "", text.strip(), True
+    closed = text.rfind(THINK_CLOSE)
+    if closed < 0:
+        if THINK_OPEN in text:
+            return text.split(THINK_OPEN, 1)[1].strip(), "", False
+        return "", text.strip(), False
+    thought, reply = text[:closed], text[closed + len(THINK_CLOSE):].strip()
+    well_formed = (thought.lstrip().startswith(THINK_OPEN) and thought.count(THINK_OPEN) == 1
+                   and text.count(THINK_CLOSE) == 1 and bool(reply))
+    return thought.replace(THINK_OPEN, "", 1).strip(), reply, well_formed
+
+
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """Every id that ends a policy turn: the tokenizer's end token and the end tokens of the model's
+    generation config, which vLLM stops at too (Qwen2.5 ends turns with <|im_end|> or <|endoftext|>)."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} | set(_as_list(getattr(tokenizer, "eos_token_ids", None)))
+    try:
+        ids |= set(_as_list(GenerationConfig.from_pretrained(tokenizer.name_or_path).eos_token_id))
+    except OSError:  # no generation_config.json: the tokenizer's end token is all there is
+        pass
+    ids.discard(None)
+    return ids
+
+
+def _as_list(value):
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple, set)) else [value]
+
+
+# --------------------------------------------------------------------------------------------
+# Generation backends: contexts of token ids in, sampled ids (and their logprobs) out
+# --------------------------------------------------------------------------------------------
+
+class TransformersGenerator:
+    """Batched sampling with `model.generate` over left-padded contexts. A generator serves one set of
+    weights: make a new one after every update (the training scripts make one per rollout).
+
+    With `prefix_cache` (on by default; off: every call prefills its contexts afresh) the key-value cache
+    of each call is kept for the next: a multi-turn rollout calls the generator once per phase and turn,
+    and each new context extends one the previous call saw (PrefixCache)."""
+
+    def __init__(self, model, tokenizer, generation_config, prefix_cache: bool = True):
+        self.model, self.tokenizer, self.generation_config = model, tokenizer, generation_config
+        self.eos_ids = {tokenizer.eos_token_id} | set(_as_list(generation_config.eos_token_id))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.prefix_cache = PrefixCache() if prefix_cache else None
+
+    @torch.no_grad()
+    def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
+        if not contexts:
+            return [], None
+        device = next(self.model.parameters()).device
+        reused = self.prefix_cache.reuse(contexts, self.pad_id) if self.prefix_cache else None
+        cache, input_ids, attention_mask = reused or (None, *left_padded(contexts, self.pad_id))
+        config = copy.deepcopy(self.generation_config)
+        config.max_new_tokens = max(max_new_tokens)
+        config.stop_strings = [stop] if stop else None
+        config.return_dict_in_generate = True  # with the cache, for the next call
+        output = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                     generation_config=config, tokenizer=self.tokenizer,
+                                     **{GENERATE_CACHE_NAME: cache})
+        sampled = []
+        for row, limit in zip(output.sequences[:, input_ids.shape[1]:].tolist(), max_new_tokens):
+            row = row[:limit]
+            ends = [i for i, token in enumerate(row) if token in self.eos_ids]
+            sampled.append(row[:ends[0] + 1] if ends else row)  # up to and including the first end token
+        if self.prefix_cache:
+            self.prefix_cache.remember(output, attention_mask.to(device), contexts, sampled)
+        return sampled, None
+
+
+def left_padded(contexts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) of contexts padded on the left to the longest (0 = padding)."""
+    width = max(len(context) for context in contexts)
+    input_ids = torch.tensor([[pad_id] * (width - len(c)) + c for c in contexts])
+    attention_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts])
+    return input_ids, attention_mask
+
+
+class PrefixCache:
+    """The key and value cache of a generator's previous call, reused by the next: each new row continues
+    the old row sharing its longest prefix, so only the new tokens are prefilled. The old row's other
+    columns (padding, tokens cut off or sampled after its end) stay in the cache as masked-out holes;
+    position ids come from the attention mask, so every kept token keeps its position. The sampling
+    distribution is that of a fresh prefill (a test compares greedy runs)."""
+
+    def __init__(self):
+        self.cached = None  # (cache, input ids fed, their attention mask, cached real tokens of each row)
+
+    def remember(self, output, attention_mask, contexts, sampled) -> None:
+        """Keep the call's cache for the next call if it is a plain one (full attention, no sliding window)."""
+        cache = getattr(output, GENERATE_CACHE_NAME)
+        if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
+            self.cached = None
+            return
+        fed = output.sequences[:, :cache.get_seq_length()]  # the last sampled token was never fed
+        width, generated = attention_mask.shape[1], fed.shape[1] - attention_mask.shape[1]
+        mask = torch.zeros_like(fed)
+        mask[:, :width] = attention_mask
+        tokens = []
+        for row, (context, ids) in enumerate(zip(contexts, sampled)):
+            kept = ids[:generated]
+            mask[row, width:width + len(kept)] = 1
+            tokens.append(context + kept)
+        self.cached = (cache, fed, mask, tokens)
+
+    def reuse(self, contexts, pad_id: int):
+        """(cache, input ids, attention mask) continuing the previous call's cache, or None when too
+        little of the new contexts (under half their tokens) is already cached."""
+        if self.cached is None:
+            return None
+        cache, fed, mask, tokens = self.cached
+        self.cached = None  # the cache is extended in place by the next generate call: use it once
+        matches = []
+        for context in contexts:  # the old row sharing the longest prefix, leaving >= 1 token to feed
+            shared = [_common_prefix(context, old) for old in tokens]
+            best = max(range(len(tokens)), key=shared.__getitem__)
+            matches.append((best, min(shared[best], len(context) - 1)))
+        if sum(n for _, n in matches) * 2 < sum(len(c) for c in contexts):
+            return None
+        rows = torch.tensor([best for best, _ in matches])
+        cache.batch_select_indices(rows.to(fed.device))
+        fed, mask = fed[rows].clone(), mask[rows].clone()
+        for row, (best, n) in enumerate(matches):
+            columns = mask[row].nonzero().flatten()
+            mask[row, columns[n:]] = 0  # cached columns past the shared prefix become holes
+        new_ids, new_mask = left_padded([context[n:] for context, (_, n) in zip(contexts, matches)], pad_id)
+        return cache, torch.cat([fed, new_ids.to(fed.device)], dim=1), torch.cat([mask, new_mask.to(fed.device)], dim=1)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low] and a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if a[:middle] == b[:middle] else (low, middle)
+    return low
+
+
+class VLLMGenerator:
+    """Sampling through TRL's vLLM backend (`use_vllm=True`, colocate or server mode); TRL syncs the
+    weights before the rollout is called. Rehearsed on CPU with a fake vLLM (tests/fake_vllm).
+
+    TRL's server mode gathers every rank's prompts on rank 0, samples them all with rank 0's token
+    budget and hands each rank back the slice `rank * len(own prompts)`: correct only when every rank
+    sends the same number of prompts. Colocate mode with tensor parallelism slices the same way within
+    its group. Our dialogues end at different turns, so the ranks first agree on the largest count and
+    budget of the call; a rank with fewer contexts pads with one-token dummy prompts whose completions it
+    drops. When no rank has a context left, no rank calls vLLM (it would answer an empty request with no
+    choices). The agreement is a collective: every rank calls this the same number of times, which
+    the rollout's fixed loop of max_turns (and phases) guarantees."""
+
+    def __init__(self, trainer):
+        self.generation = trainer.vllm_generation
+        self.dummy_prompt = [self.generation.processing_class.eos_token_id]
+
+    def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
+        from accelerate.utils import gather_object
+
+        shapes = gather_object([(len(contexts), max(max_new_tokens, default=0))])  # one (count, budget) per rank
+        count, budget = max(n for n, _ in shapes), max(b for _, b in shapes)
+        if count == 0:
+            return [], None
+        padded = contexts + [self.dummy_prompt] * (count - len(contexts))
+        # Both are read from these attributes at call time; the rollout cuts at `stop` afterwards anyway.
+        self.generation.max_completion_length = budget
+        base_kwargs = self.generation.generation_kwargs or {}
+        if stop:
+            self.generation.generation_kwargs = {**base_kwargs, "stop": [stop], "include_stop_str_in_output": True}
+        try:
+            _, completion_ids, logprobs, _ = self.generation.generate(prompts=padded, images=None, num_generations=1)
+        finally:
+            self.generation.generation_kwargs = base_kwargs
+        if len(completion_ids) != count:
+            raise RuntimeError(f"vLLM returned {len(completion_ids)} completions for {count} prompts")
+        sampled, sampled_logprobs = [], []
+        for ids, token_logprobs, limit in zip(completion_ids[:len(contexts)], logprobs[:len(contexts)], max_new_tokens):
+            sampled.append(list(ids)[:limit])
+            sampled_logprobs.append([lp[0] for lp in token_logprobs][:limit])  # the sampled token's logprob
+        return sampled, sampled_logprobs
+
+
+class VLLMServerGenerator:
+    """Sampling from TRL's generation server (`trl vllm-serve`) outside a TRL trainer, as in
+    train_ppo.py; `push_weights` sends the policy's current weights before each rollout.
+    Written against TRL 1.16's VLLMClient; rehearsed on CPU with a fake vLLM (tests/fake_vllm)."""
+
+    def __init__(self, host: str, port: int, temperature: float):
+        from trl.generation.vllm_client import VLLMClient  # raises a clear ImportError without vLLM
+
+        self.client = VLLMClient(host=host, server_port=port, connection_timeout=240)
+        self.client.init_communicator()
+        self.temperature = temperature
+
+    def push_weights(self, model) -> None:
+        """Every weight in ONE update session: vLLM rebuilds each layer touched in a session from what
+        that session sent, so a fused layer (qkv_proj from q, k, v; gate_up_proj from gate, up) sent in
+        parts over several sessions would keep uninitialised memory for the parts sent elsewhere."""
+        is_peft = hasattr(model, "merge_adapter")
+        if is_peft:
+            model.merge_adapter()  # send base + LoRA as plain weights, under the base model's names
+        weights = []
+        for name, parameter in model.named_parameters():
+            if is_peft:
+                if "lora_" in name:
+                    continue
+                name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            weights.append((name, parameter.data))
+        metadata = [(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)) for name, tensor in weights]
+        self.client.update_named_params(metadata, iter(weights))
+        if is_peft:
+            model.unmerge_adapter()
+        self.client.reset_prefix_cache()
+
+    def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
+        if not contexts:
+            return [], None
+        output = self.client.generate(
+            prompts=contexts, n=1, temperature=self.temperature, max_tokens=max(max_new_tokens), logprobs=0,
+            generation_kwargs={"stop": [stop], "include_stop_str_in_output": True} if stop else None)
+        sampled = [list(ids)[:limit] for ids, limit in zip(output["completion_ids"], max_new_tokens)]
+        logprobs = [[lp[0] for lp in seq][:limit] for seq, limit in zip(output["logprobs"], max_new_tokens)]
+        return sampled, logprobs
+
+
+class VLLMEngineGenerator:
+    """Sampling with an in-process vLLM engine, outside any trainer (the evaluations' --use_vllm), from a
+    full model folder with its tokenizer. Rehearsed on CPU with a fake vLLM (tests/fake_vllm).
+
+    Each request gets its own seed, drawn from torch's global RNG: the evaluations seed that per batch
+    (as they do for transformers' sampling), so a row's seed follows from the batch's seed, the call's
+    place in the batch (one call per turn and phase) and the row's position, and a resumed run samples
+    what the uninterrupted one did. The engine's own seed alone would not do: its stream depends on
+    every request served before."""
+
+    def __init__(self, model: str, temperature: float, top_p: float, seed: int):
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise SystemExit("--use_vllm needs vLLM on a GPU machine: pip install -r requirements-gpu.txt") from None
+        self.llm = LLM(model=model, seed=seed)
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
+        from vllm import SamplingParams, TokensPrompt
+
+        if not contexts:
+            return [], None
+        seeds = torch.randint(2**31 - 1, (len(contexts),)).tolist()
+        params = [SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=seed, max_tokens=limit,
+                                 stop=[stop] if stop else None, include_stop_str_in_output=True)
+                  for seed, limit in zip(seeds, max_new_tokens)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=c) for c in contexts], params, use_tqdm=False)
+        return [list(output.outputs[0].token_ids) for output in outputs], None
+
+
+def load_tokenizer(args):
+    """(folder, tokenizer) of the tested local model: the folder from loadable_model. The tokenizer comes
+    first, so the dialogue runner and the simulator's endpoint are checked before the weights load."""
+    from transformers import AutoTokenizer
+
+    folder = common.loadable_model(args.model)
+    return folder, AutoTokenizer.from_pretrained(folder)
+
+
+def load_generator(args, folder: str, tokenizer):
+    """`generate` for the tested local model (load_tokenizer's folder and tokenizer): an in-process vLLM
+    engine with --use_vllm (the transformers model is never loaded then: the engine wants its share of
+    the GPU), else transformers, on the GPU if there is one. Both sample from torch's RNG state, which
+    the callers seed per batch."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if args.use_vllm:
+        return VLLMEngineGenerator(folder, args.temperature, args.top_p, args.seed)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    if torch.cuda.is_available():
+        model.to("cuda")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
+        if args.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    return TransformersGenerator(model, tokenizer, GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id, **sampling))
+
+
+@contextmanager
+def trainer_generator(trainer, prefix_cache: bool = True):
+    """The generator to use inside a TRL trainer: vLLM if enabled, else the unwrapped model."""
+    if getattr(trainer.args, "use_vllm", False):
+        yield VLLMGenerator(trainer)
+        return
+    from trl.models.utils import unwrap_model_for_generation
+
+    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
+                                     gather_deepspeed3_params=trainer.args.ds3_gather_for_generation) as model:
+        yield TransformersGenerator(model, trainer.processing_class, trainer.generation_config, prefix_cache)
