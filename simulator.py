@@ -5,9 +5,9 @@ or a line it writes), then for every policy reply it returns a `UserTurn`: the u
 the new emotion (0-100), the signed change, the reasoning behind it, and whether the dialogue is
 over. Termination is decided here, in one place (`Simulator.respond`), for every backend:
 emotion >= 100 ("S": thanks and goodbye), emotion < 10 ("F": goodbye), a goodbye in the user's
-message, or the turn limit (8 policy turns in the paper's training, 9 judged replies in the benchmark). Each change is
-clamped to +-CHANGE_BOUND (the paper's released training code left it unbounded; the benchmark
-bounds it) and the emotion to [0, 100].
+message, or the turn limit (8 policy turns in the paper's training, 9 judged replies in the
+benchmark; the training scripts' is `--max_turns`). Each change is clamped to +-CHANGE_BOUND (the
+paper's released training code left it unbounded; the benchmark bounds it) and the emotion to [0, 100].
 
 Backends (`--backend`):
 - `llm`: any OpenAI-compatible chat endpoint (vLLM `serve`, commercial APIs). Two calls per user
