@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 
 import common
-import policy
+import generation
 
 TASKS = ("math500", "livecodebench", "humaneval", "ifeval")
 TASK_MAX_NEW_TOKENS = {"math500": 2048, "livecodebench": 2048, "humaneval": 1024, "ifeval": 1280}
@@ -498,8 +498,8 @@ class LocalBackend:
 
     def __init__(self, args: GeneralEvalArguments):
         common.use_all_cpu_cores()
-        folder, self.tokenizer = policy.load_tokenizer(args)
-        self.generate = policy.load_generator(args, folder, self.tokenizer)
+        folder, self.tokenizer = generation.load_tokenizer(args)
+        self.generate = generation.load_generator(args, folder, self.tokenizer)
 
     def __call__(self, conversations: list[list[dict]], max_new_tokens: int, seed: int) -> list[str]:
         import torch
@@ -560,7 +560,7 @@ def read_result_rows(path, skip_cut_last_line: bool = False) -> list[dict]:
 def with_think_prompt(messages: list[dict], think: bool) -> list[dict]:
     if not think:
         return messages
-    instruction = policy.policy_system_prompt("en", True, "general")
+    instruction = generation.policy_system_prompt("en", True, "general")
     if messages[0]["role"] == "system":
         return [{"role": "system", "content": f"{messages[0]['content']}\n\n{instruction}"}] + messages[1:]
     return [{"role": "system", "content": instruction}] + messages
@@ -596,7 +596,7 @@ def run_task(task: str, items: list[dict], done: set, args: GeneralEvalArguments
                 continue
             raw = backend([with_think_prompt(item["messages"], args.think) for item in batch], max_new_tokens,
                           seed=args.seed + first)
-            responses = [policy.split_think(text, args.think)[1] for text in raw]
+            responses = [generation.split_think(text, args.think)[1] for text in raw]
             graders = pool.map(grade, batch, responses) if task in CODE_TASKS else map(
                 grade, batch, responses)  # math-verify and the IFEval checkers are pure Python: no gain from threads
             rows = []

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 import common
-import policy
+import generation
 import rollout
 import simulator
 
@@ -236,14 +236,14 @@ def play_local(args, simulator_args, chat, profiles, done: set, output: Path, pr
     import torch
 
     common.use_all_cpu_cores()
-    folder, tokenizer = policy.load_tokenizer(args)
+    folder, tokenizer = generation.load_tokenizer(args)
     runner = rollout.DialogueRunner(tokenizer, benchmark_dialogues(args), simulator_args, chat)
     lost = []  # scenarios whose simulated user failed past its retries: not written, so a rerun plays them
     try:
         for profile in profiles:  # a --max_dialogue_tokens too small for a prompt fails before the weights load
             runner.prompt_ids(profile, profile.first_talk)
         runner.check_chat()  # a wrong URL, key or model name fails now, before the weights load
-        generate = policy.load_generator(args, folder, tokenizer)
+        generate = generation.load_generator(args, folder, tokenizer)
         for index in range(0, len(profiles), args.batch_size):
             batch = [p for p in profiles[index:index + args.batch_size] if p.id not in done]
             if not batch:
@@ -277,13 +277,13 @@ async def play_endpoint(args, simulator_args, chat, profiles, done: set, output:
     async def play(index, profile):
         async with gate:
             user = rollout.new_simulator(profile, chat, benchmark_dialogues(args), simulator_args)
-            system = policy.policy_system_prompt(simulator_args.language or profile.language, args.think, "sentient",
-                                                  simulator_args.official("policy_prompts"))
+            system = generation.policy_system_prompt(simulator_args.language or profile.language, args.think,
+                                                     "sentient", simulator_args.official("policy_prompts"))
             messages = [{"role": "system", "content": system}, {"role": "user", "content": await user.open()}]
             thoughts = []
             while not user.done:
                 raw = await client.complete(messages, seed=args.seed + index)
-                thought, reply, _ = policy.split_think(raw, args.think)
+                thought, reply, _ = generation.split_think(raw, args.think)
                 thoughts.append(thought)
                 turn = await user.respond(reply)
                 messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": turn.message}]

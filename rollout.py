@@ -34,7 +34,7 @@ Budgets are in tokens: per policy turn `max_think_tokens` and `max_reply_tokens`
 and a minimal turn ends with reason "token_budget".
 
 The policy's side (its system prompt, think parsing, the sampling backends: transformers, vLLM) is
-`policy.py`; `generate` is any of its backends.
+`generation.py`; `generate` is any of its backends.
 """
 import asyncio
 import json
@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import common
-import policy
+import generation
 import simulator
 
 MIN_REPLY_TOKENS = 8  # a dialogue that cannot leave this many tokens for the next reply ends
@@ -116,8 +116,8 @@ class ChatSegments:
                              "multi-turn token-level rollouts need a prefix-stable template")
         self.close_text = closed[closed.rindex(marker_reply) + len(marker_reply):]  # e.g. "<|im_end|>\n"
         self.user_prefix, self.user_suffix = extended[len(closed):].split(marker_user)
-        self.eos_ids = policy.end_of_turn_ids(tokenizer)
-        self.think_open, self.think_close = self.encode(policy.THINK_OPEN), self.encode(policy.THINK_CLOSE)
+        self.eos_ids = generation.end_of_turn_ids(tokenizer)
+        self.think_open, self.think_close = self.encode(generation.THINK_OPEN), self.encode(generation.THINK_CLOSE)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -262,7 +262,7 @@ class DialogueRunner:
         """The policy's prompt for a dialogue (system prompt and the user's opening); refused when it leaves
         no room for one turn within max_dialogue_tokens."""
         args, language = self.args, self.simulator_args.language or profile.language
-        system = policy.policy_system_prompt(language, args.think, args.policy_prompt,
+        system = generation.policy_system_prompt(language, args.think, args.policy_prompt,
                                       self.simulator_args.official("policy_prompts"))
         prompt_ids = self.segments.prompt_ids(system, opening)
         needed = len(prompt_ids) + self.min_turn_tokens
@@ -310,7 +310,7 @@ class DialogueRunner:
             else:
                 budgets.append(min(c.max_reply_tokens, room))
         sampled, logprobs = generate([d.context() for d in active], budgets,
-                                     stop=policy.THINK_CLOSE if phase == "think" else None)
+                                     stop=generation.THINK_CLOSE if phase == "think" else None)
         results = []
         for index, (dialogue, ids) in enumerate(zip(active, sampled)):
             token_logprobs = logprobs[index] if logprobs else None
@@ -335,7 +335,7 @@ class DialogueRunner:
         for end in range(1, len(ids) + 1):
             if ids[end - 1] in self.segments.eos_ids:
                 return ids[:end - 1], False
-            if policy.THINK_CLOSE in self.tokenizer.decode(ids[max(0, end - 8):end]):
+            if generation.THINK_CLOSE in self.tokenizer.decode(ids[max(0, end - 8):end]):
                 return ids[:end], True
         return ids, False
 
@@ -343,9 +343,9 @@ class DialogueRunner:
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         text = decode(reply_ids)
         if self.args.think:
-            closing = "" if thought_closed else policy.THINK_CLOSE  # a forced close reads as written
-            text = policy.THINK_OPEN + decode(dialogue.thought_ids[-1]) + closing + text
-        thought, reply, well_formed = policy.split_think(text, self.args.think)
+            closing = "" if thought_closed else generation.THINK_CLOSE  # a forced close reads as written
+            text = generation.THINK_OPEN + decode(dialogue.thought_ids[-1]) + closing + text
+        thought, reply, well_formed = generation.split_think(text, self.args.think)
         dialogue.think_texts.append(thought)
         dialogue.reply_texts.append(reply)
         dialogue.format_violations += not (well_formed and thought_closed)

@@ -97,7 +97,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, Generat
 from trl import TrlParser
 
 import common
-import policy
+import generation
 import rollout
 import simulator
 
@@ -586,7 +586,7 @@ def main(argv=None) -> None:
     if accelerator.is_main_process and args.report_to != "none":
         accelerator.init_trackers("rlver-ppo", config={**vars(args), **vars(dialogue_args)})
     openings = runner.openings(profiles)
-    vllm_server = policy.VLLMServerGenerator(args.vllm_server_host, args.vllm_server_port,
+    vllm_server = generation.VLLMServerGenerator(args.vllm_server_host, args.vllm_server_port,
                                               args.temperature) if args.use_vllm else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -755,7 +755,7 @@ def policy_generator(vllm_server, policy, tokenizer, args: PPOArguments, dialogu
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sampling = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id)
-    return policy.TransformersGenerator(policy, tokenizer, sampling, dialogue_args.prefix_cache)
+    return generation.TransformersGenerator(policy, tokenizer, sampling, dialogue_args.prefix_cache)
 
 
 def stop_if_simulators_failed(dialogues, step: int, dialogue_args, output_dir: Path, model, optimizer, tokenizer,

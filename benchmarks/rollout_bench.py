@@ -40,7 +40,7 @@ from transformers import (  # noqa: E402
 )
 
 import common  # noqa: E402
-import policy  # noqa: E402
+import generation  # noqa: E402
 import rollout  # noqa: E402
 import simulator  # noqa: E402
 
@@ -130,10 +130,9 @@ def play(args, model, tokenizer, base_url: str, concurrency: int, starts) -> dic
     runner = rollout.DialogueRunner(tokenizer, dialogue_args, chat=chat)
     # Greedy, each reply its full budget: both runs play the same dialogues, of the length sampling
     # would give (on CPU, torch.multinomial over a 49k vocabulary would be most of a tiny model's time).
-    generation = GenerationConfig(do_sample=False, min_new_tokens=args.reply_tokens,
-                                  eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id)
-    generate = TimedGenerator(policy.TransformersGenerator(model, tokenizer, generation))
+    greedy = GenerationConfig(do_sample=False, min_new_tokens=args.reply_tokens, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    generate = TimedGenerator(generation.TransformersGenerator(model, tokenizer, greedy))
     started = time.perf_counter()
     dialogues = runner.run(starts, generate)
     wall = time.perf_counter() - started

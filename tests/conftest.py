@@ -128,12 +128,12 @@ def play_think_dialogue(model_dir, max_turns: int = 3):
     """(one think-mode dialogue a tiny sampling policy plays against the rule user, its tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    import policy
+    import generation
     import rollout
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    generate = policy.TransformersGenerator(model, tokenizer, GenerationConfig(
+    generate = generation.TransformersGenerator(model, tokenizer, GenerationConfig(
         do_sample=True, top_k=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
     runner = rollout.DialogueRunner(tokenizer, rollout.DialogueArguments(
         think=True, max_turns=max_turns, max_think_tokens=5, max_reply_tokens=6, max_dialogue_tokens=8192))

@@ -51,7 +51,7 @@ TARGETS = [
     ("train_ppo.py", "state_values", [PPO, "-k", "value_of_an_action or old_values_are"]),
     ("rollout.py", "reward", [ROLLOUT, "-k", "reward_is_final"]),
     ("rollout.py", "dialogue_metrics", [ROLLOUT, "tests/test_train_grpo.py", "-k", "metrics or reward_reads"]),
-    ("policy.py", "split_think", [ROLLOUT, "-k", "split_think"]),
+    ("generation.py", "split_think", [ROLLOUT, "-k", "split_think"]),
     ("rollout.py", "Dialogue.append", [ROLLOUT, "-k", "env_mask or masked_in"]),
     ("rollout.py", "DialogueRunner._sample", [ROLLOUT, "-k", "env_mask or thinking_ or token_budget or never_receives"]),
     ("rollout.py", "DialogueRunner._cut_thought", [ROLLOUT, "-k", "env_mask or thinking_ or never_receives"]),

@@ -13,7 +13,7 @@ from fake_openai import FakeOpenAIServer
 import common
 import eval_general
 import eval_sentient
-import policy
+import generation
 import simulator
 
 
@@ -35,8 +35,8 @@ def fail_if_called(what):
 @pytest.fixture
 def no_sentient_model(monkeypatch):
     """eval_sentient must not load the tested model (tokenizer or weights) nor the simulator's."""
-    monkeypatch.setattr(policy, "load_tokenizer", fail_if_called("load_tokenizer"))
-    monkeypatch.setattr(policy, "load_generator", fail_if_called("load_generator"))
+    monkeypatch.setattr(generation, "load_tokenizer", fail_if_called("load_tokenizer"))
+    monkeypatch.setattr(generation, "load_generator", fail_if_called("load_generator"))
     monkeypatch.setattr(simulator, "LocalChat", fail_if_called("LocalChat"))
 
 
@@ -148,7 +148,7 @@ def test_chinese_dialogues_with_the_rule_backend_are_refused_before_any_model_lo
 
 def test_a_dialogue_budget_too_small_for_the_prompt_is_refused_before_the_weights_load(packaged_model, monkeypatch,
                                                                                        tmp_path, capsys):
-    monkeypatch.setattr(policy, "load_generator", fail_if_called("load_generator"))
+    monkeypatch.setattr(generation, "load_generator", fail_if_called("load_generator"))
     profiles = benchmark_profiles(tmp_path / "bench.jsonl")
     status, error = outcome(eval_sentient.main, ["--profiles", profiles, "--output", tmp_path / "r.jsonl",
                                                  "--max_dialogue_tokens", 20], capsys)
@@ -311,7 +311,7 @@ def test_a_broken_file_in_the_output_folder_is_refused_before_the_model_loads(na
 
 def test_an_unreachable_simulator_endpoint_is_refused_before_the_tested_model_loads(packaged_model, monkeypatch,
                                                                                     tmp_path, capsys):
-    monkeypatch.setattr(policy, "load_generator", fail_if_called("load_generator"))
+    monkeypatch.setattr(generation, "load_generator", fail_if_called("load_generator"))
     status, error = outcome(eval_sentient.main, [
         "--profiles", benchmark_profiles(tmp_path / "bench.jsonl"), "--output", tmp_path / "new" / "r.jsonl",
         "--backend", "llm", "--base_url", "http://127.0.0.1:9/v1", "--simulator_model", "x",

@@ -20,8 +20,8 @@ from fake_openai import FakeOpenAIServer
 
 import common
 import eval_sentient
+import generation
 import official
-import policy
 import rollout
 import simulator
 from eval_sentient import EvalArguments
@@ -174,8 +174,8 @@ def test_rlver_reply_prompt_is_the_official_one(turns, monkeypatch):
 def test_the_policy_prompts_are_the_released_ones(monkeypatch):
     module = load_rlver(monkeypatch)
     rlver = official.load("rlver", str(REPO))
-    assert policy.policy_system_prompt("zh", True, "policy", rlver) == module.system_prompt_train_think
-    assert policy.policy_system_prompt("zh", False, "policy", rlver) == module.system_prompt_train_unthink
+    assert generation.policy_system_prompt("zh", True, "policy", rlver) == module.system_prompt_train_think
+    assert generation.policy_system_prompt("zh", False, "policy", rlver) == module.system_prompt_train_unthink
     npc = Recorder(["好的"])
     sage_npc = importlib.util.spec_from_file_location("official_npc", REPO / official.SAGE_POLICY)
     npc_module = importlib.util.module_from_spec(sage_npc)

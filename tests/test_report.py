@@ -319,7 +319,7 @@ def test_the_report_reads_what_a_real_rollout_wrote(tiny_model_dir, tmp_path):
     """Transcripts as rollout.write_transcripts writes them (rule user, tiny policy), think on."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    import policy
+    import generation
     import rollout
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -328,7 +328,7 @@ def test_the_report_reads_what_a_real_rollout_wrote(tiny_model_dir, tmp_path):
         think=True, max_turns=2, max_think_tokens=4, max_reply_tokens=6, max_dialogue_tokens=8192))
     profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES)[:2]
     openings = runner.openings(profiles)
-    generate = policy.TransformersGenerator(model, tokenizer, GenerationConfig(
+    generate = generation.TransformersGenerator(model, tokenizer, GenerationConfig(
         do_sample=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
     dialogues = runner.run([(p, openings[p.id]) for p in profiles], generate)
     runner.close()

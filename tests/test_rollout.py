@@ -6,10 +6,10 @@ from fake_openai import FakeOpenAIServer
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import common
-import policy
+import generation
 import rollout
 import simulator
-from policy import TransformersGenerator, split_think
+from generation import TransformersGenerator, split_think
 from rollout import DialogueArguments, DialogueRunner
 
 
@@ -214,7 +214,7 @@ def test_thinking_near_the_dialogue_budget_leaves_room_for_the_close_and_a_minim
     model, tokenizer = tiny
     starts, _ = starts_for(tokenizer, profiles(1))
     segments = rollout.ChatSegments(tokenizer)
-    prompt = segments.prompt_ids(policy.policy_system_prompt("en", True), starts[0][1])
+    prompt = segments.prompt_ids(generation.policy_system_prompt("en", True), starts[0][1])
     budget = len(prompt) + len(segments.think_open) + 40  # 40 tokens left once <think> is inserted
     recording = Recording(sampling_generator(model, tokenizer))
     run(tokenizer, recording, starts, think=True, max_turns=1, max_think_tokens=1000, max_reply_tokens=1000,
@@ -227,7 +227,7 @@ def test_thinking_near_the_dialogue_budget_leaves_room_for_the_close_and_a_minim
 def test_token_budget_is_never_exceeded(tiny):
     model, tokenizer = tiny
     starts, _ = starts_for(tokenizer, profiles(2), copies=2)
-    budget = max(len(rollout.ChatSegments(tokenizer).prompt_ids(policy.policy_system_prompt("en", False), o))
+    budget = max(len(rollout.ChatSegments(tokenizer).prompt_ids(generation.policy_system_prompt("en", False), o))
                  for _, o in starts) + 90
     dialogues = run(tokenizer, sampling_generator(model, tokenizer), starts, max_turns=8, max_reply_tokens=30,
                     max_dialogue_tokens=budget)

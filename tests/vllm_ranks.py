@@ -1,4 +1,4 @@
-"""policy.VLLMGenerator over TRL's real VLLMGeneration on several CPU ranks (gloo), with the fake vllm:
+"""generation.VLLMGenerator over TRL's real VLLMGeneration on several CPU ranks (gloo), with the fake vllm:
 
     python -m torch.distributed.run --nproc_per_node 2 tests/vllm_ranks.py OUT_DIR MODE TP MODEL [SERVER_URL]
 
@@ -19,7 +19,7 @@ from accelerate import Accelerator, InitProcessGroupKwargs  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
-import policy  # noqa: E402
+import generation  # noqa: E402
 from vllm._fakegen import EOS, tag  # noqa: E402
 
 CASES = [  # (contexts per rank, budget per rank)
@@ -35,11 +35,11 @@ out_dir, mode, tensor_parallel_size, model_dir = sys.argv[1], sys.argv[2], int(s
 accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=60))])
 rank = accelerator.process_index
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
-generation = VLLMGeneration(model=AutoModelForCausalLM.from_pretrained(model_dir), accelerator=accelerator,
-                            processing_class=tokenizer, mode=mode, tensor_parallel_size=tensor_parallel_size,
-                            server_base_url=sys.argv[5] if mode == "server" else None, max_completion_length=16,
-                            logprobs=0)
-generate = policy.VLLMGenerator(SimpleNamespace(vllm_generation=generation))
+trl_generation = VLLMGeneration(model=AutoModelForCausalLM.from_pretrained(model_dir), accelerator=accelerator,
+                                processing_class=tokenizer, mode=mode, tensor_parallel_size=tensor_parallel_size,
+                                server_base_url=sys.argv[5] if mode == "server" else None, max_completion_length=16,
+                                logprobs=0)
+generate = generation.VLLMGenerator(SimpleNamespace(vllm_generation=trl_generation))
 for case, (counts, budgets) in enumerate(CASES):
     count, budget = counts[rank], budgets[rank]
     contexts = [[1, 2, 3, 1000 + 100 * rank + 10 * case + i] for i in range(count)]

@@ -1,4 +1,4 @@
-"""policy.TransformersGenerator under the transformers on PYTHONPATH (run_all.sh puts an unpacked
+"""generation.TransformersGenerator under the transformers on PYTHONPATH (run_all.sh puts an unpacked
 transformers there: the GPU set's, and 5.20.2): two calls, the second continuing the first's contexts (the prefix cache)."""
 import os
 import sys
@@ -9,10 +9,10 @@ sys.path.insert(0, REPO)
 import transformers  # noqa: E402
 print("transformers", transformers.__version__, transformers.__file__)
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
-import policy  # noqa: E402
+import generation  # noqa: E402
 tok = AutoTokenizer.from_pretrained(TINY)
 model = AutoModelForCausalLM.from_pretrained(TINY).eval()
-gen = policy.TransformersGenerator(model, tok, GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+gen = generation.TransformersGenerator(model, tok, GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
 try:
     out, _ = gen([[1, 2, 3, 4], [5, 6, 7]], [5, 5])

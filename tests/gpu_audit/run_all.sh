@@ -11,7 +11,7 @@
 set -u
 AUDIT_HOME=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
 PROJECT_DIR=$(cd "${PROJECT_DIR:-.}" && pwd -P) || exit 2
-for f in common.py rule_user.py policy.py rollout.py simulator.py train_grpo.py train_ppo.py eval_sentient.py eval_general.py recipes accelerate_configs; do
+for f in common.py rule_user.py generation.py rollout.py simulator.py train_grpo.py train_ppo.py eval_sentient.py eval_general.py recipes accelerate_configs; do
   [ -e "$PROJECT_DIR/$f" ] || { echo "$PROJECT_DIR has no $f: run this from the project's root or set PROJECT_DIR" >&2; exit 2; }
 done
 if [ -z "${PYTHON:-}" ]; then
@@ -56,7 +56,7 @@ run2() { nice -n 10 timeout 170 "$PYTHON" -m torch.distributed.run --nproc_per_n
 section() { echo; echo "=== $*"; }
 H=$AUDIT_HOME
 
-section "1. policy.VLLMGenerator -> real TRL VLLMGeneration (server mode) + VLLMClient, 2 ranks / 1 rank"
+section "1. generation.VLLMGenerator -> real TRL VLLMGeneration (server mode) + VLLMClient, 2 ranks / 1 rank"
 run2 "$H/check_ranks.py" 2>&1 | grep -E "^case" | sort
 nice -n 10 timeout 100 "$PYTHON" "$H/check_ranks.py" 2>&1 | grep -E "^case"
 
@@ -69,7 +69,7 @@ for S in 1 2; do rm -f client.log; rm -rf "$RUNS/grpo-server"
     --max_reply_tokens 24 --max_dialogue_tokens 400 --num_generations 2 --per_device_train_batch_size 4 --seed $S --use_vllm \
     --vllm_mode server --vllm_server_base_url "$FAKE_URL" --use_cpu true > "$LOGS/grpo_server_s$S.out" 2>&1
   echo "seed $S rc=$?: $(grep -E '^\[rank[01]\]: [A-Za-z]*Error' "$LOGS/grpo_server_s$S.out" | cut -c1-90 | head -2 | tr '\n' ' ')"
-  grep -hE "(rollout|policy).py\", line" "$LOGS/grpo_server_s$S.out" | tail -1
+  grep -hE "(rollout|generation).py\", line" "$LOGS/grpo_server_s$S.out" | tail -1
   "$PYTHON" -c "
 import json
 for l in open('client.log'):
@@ -123,7 +123,7 @@ for M in "$TINY" "$RUNS/grpo-colo"; do
 nice -n 10 timeout 120 "$PYTHON" "$FAKE/run.py" eval_general.py --model "$TINY" --use_vllm --tasks humaneval --limit 2 --output_dir "$RUNS/eval/general" > "$LOGS/evalg.out" 2>&1
 echo "eval_general rc=$? $(grep -E 'pass@1|^[A-Za-z]*Error' "$LOGS/evalg.out" | head -1)"
 
-section "7. transformers of the GPU set (requirements-gpu.txt) and 5.20.2 (the newest vllm 0.33 allows): policy.TransformersGenerator"
+section "7. transformers of the GPU set (requirements-gpu.txt) and 5.20.2 (the newest vllm 0.33 allows): generation.TransformersGenerator"
 GPU_TF=$(sed -n 's/^transformers==\([0-9.]*\).*/\1/p' "$PROJECT_DIR/requirements-gpu.txt")
 for V in $GPU_TF 5.20.2; do
   TF=$AUDIT_OUT/tf-$V

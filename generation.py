@@ -1,4 +1,4 @@
-"""The policy's side of a dialogue: its system prompt, the think-then-say format, and sampling backends
+"""Generating the policy's turns: its system prompt, the think-then-say format, and the sampling backends
 (token-id contexts in, sampled ids and their logprobs out). rollout.py plays dialogues with these; the
 evaluations sample the tested model with them.
 
