@@ -16,7 +16,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, REPO]
 from trl.generation import vllm_client  # noqa: E402
 
-import rollout  # noqa: E402
+import generation  # noqa: E402
 from vllm._fakegen import EOS, THINK_CLOSE, log, tag  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def checked(cls):
 
 vllm_client.VLLMClient.init_communicator = init_communicator
 for name in ("VLLMGenerator", "VLLMServerGenerator", "VLLMEngineGenerator"):
-    checked(getattr(rollout, name))
+    checked(getattr(generation, name))
 
 if __name__ == "__main__":
     script = os.path.join(REPO, sys.argv[1]) if not os.path.isabs(sys.argv[1]) else sys.argv[1]
