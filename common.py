@@ -295,13 +295,13 @@ class ChatClient:
             models = [m.id async for m in self.client.with_options(max_retries=1).models.list()]
         except openai.APIConnectionError as error:
             raise EndpointError(f"cannot reach the {self.role} endpoint {self.base_url} ({error}); "
-                                 "check the base URL and that the server is running") from None
+                                "check the base URL and that the server is running") from None
         except openai.AuthenticationError:
             raise EndpointError(f"the {self.role} endpoint {self.base_url} refused the API key; "
-                                 "check the variable named by the api_key_env option") from None
+                                "check the variable named by the api_key_env option") from None
         except openai.APIStatusError as error:
             raise EndpointError(f"the {self.role} endpoint {self.base_url} answered {error.status_code} "
-                                 f"to a model listing: {error.message}") from None
+                                f"to a model listing: {error.message}") from None
         if models and self.model not in models:
             raise EndpointError(f"model {self.model!r} is not served at {self.base_url}; it serves {models}")
 

@@ -525,7 +525,7 @@ class EndpointBackend:
     async def _complete(self, conversations, max_new_tokens, seed):
         if self.client is None:  # created on the loop that will use its connections
             self.client = common.ChatClient(self.args.model_base_url, self.args.model, self.args.model_api_key_env,
-                                               temperature=self.args.temperature, role="tested-model")
+                                            temperature=self.args.temperature, role="tested-model")
             await self.client.check()
         self.client.max_tokens = max_new_tokens
         return await asyncio.gather(*(self.client.complete(messages,

@@ -266,19 +266,20 @@ async def play_endpoint(args, simulator_args, chat, profiles, done: set, output:
     """Scenarios concurrently (at most batch_size at once) against an OpenAI-compatible endpoint; the
     model sees the system prompt and the dialogue's messages, never its own earlier thinking."""
     client = common.ChatClient(args.model_base_url, args.model, args.model_api_key_env,
-                                  temperature=args.temperature,
-                                  max_tokens=args.max_reply_tokens + (args.max_think_tokens if args.think else 0),
-                                  role="tested-model")
+                               temperature=args.temperature,
+                               max_tokens=args.max_reply_tokens + (args.max_think_tokens if args.think else 0),
+                               role="tested-model")
     await client.check()
     if chat is not None:
         await chat.check()
     gate = asyncio.Semaphore(args.batch_size)
+    dialogues = benchmark_dialogues(args)  # the same start, turn limit and prompt as the local path's
 
     async def play(index, profile):
         async with gate:
-            user = rollout.new_simulator(profile, chat, benchmark_dialogues(args), simulator_args)
+            user = rollout.new_simulator(profile, chat, dialogues, simulator_args)
             system = generation.policy_system_prompt(simulator_args.language or profile.language, args.think,
-                                                     "sentient", simulator_args.official("policy_prompts"))
+                                                     dialogues.policy_prompt, simulator_args.official("policy_prompts"))
             messages = [{"role": "system", "content": system}, {"role": "user", "content": await user.open()}]
             thoughts = []
             while not user.done:

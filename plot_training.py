@@ -48,7 +48,7 @@ def step_means(run_dir: Path) -> dict[int, float]:
         for _, where, row in common.json_lines(path, "transcript", skip_cut_last_line=True):
             if not (isinstance(row, dict) and _is_number(row.get("step")) and _is_number(row.get("emo_point"))):
                 raise common.InputError(f"{where}: a transcript row needs numbers 'step' and 'emo_point'; "
-                                           "is it a train_grpo.py/train_ppo.py transcript?")
+                                        "is it a train_grpo.py/train_ppo.py transcript?")
             finals[row["step"]].append(row["emo_point"])
     if not finals:
         raise common.InputError(f"{', '.join(map(str, files))}: no transcript rows (empty?); nothing to plot")

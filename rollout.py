@@ -263,7 +263,7 @@ class DialogueRunner:
         no room for one turn within max_dialogue_tokens."""
         args, language = self.args, self.simulator_args.language or profile.language
         system = generation.policy_system_prompt(language, args.think, args.policy_prompt,
-                                      self.simulator_args.official("policy_prompts"))
+                                                 self.simulator_args.official("policy_prompts"))
         prompt_ids = self.segments.prompt_ids(system, opening)
         needed = len(prompt_ids) + self.min_turn_tokens
         if needed > args.max_dialogue_tokens:

@@ -412,7 +412,7 @@ class LocalChat:
                                          **sampling)
         prompt_tokens = inputs["input_ids"].shape[1]
         call = common.CallStats(calls=1, attempts=1, prompt_tokens=prompt_tokens,
-                         completion_tokens=output.shape[1] - prompt_tokens)
+                                completion_tokens=output.shape[1] - prompt_tokens)
         return self.tokenizer.decode(output[0, prompt_tokens:], skip_special_tokens=True), call
 
     async def check(self) -> None:
@@ -572,7 +572,7 @@ class SimulatorArguments:
 
     def __post_init__(self):
         common.check_options(self, simulator_timeout=common.POSITIVE, simulator_max_retries=common.NOT_NEGATIVE,
-                      change_bound=(lambda value: 1 <= value <= MAX_EMOTION, f"within 1-{MAX_EMOTION}"))
+                             change_bound=(lambda value: 1 <= value <= MAX_EMOTION, f"within 1-{MAX_EMOTION}"))
         if self.simulator_prompts != "ours" and self.variant != "vanilla":
             raise common.ArgumentError(f"--variant {self.variant}: the {self.simulator_prompts} prompts have one "
                                        "variant; variants are ours (--simulator_prompts ours)")
@@ -582,7 +582,7 @@ class SimulatorArguments:
                 continue
             if not self.official_repo:
                 raise common.ArgumentError(f"--{option} {source} needs --official_repo PATH, a checkout of "
-                                    "github.com/Tencent/digitalhuman")
+                                           "github.com/Tencent/digitalhuman")
             try:
                 official.load(source, self.official_repo)
             except official.OfficialRepoError as error:
@@ -623,7 +623,7 @@ def make_chat(args: SimulatorArguments):
         if not base_url:
             raise SimulatorError("--backend llm needs --base_url, e.g. http://localhost:8000/v1 for `vllm serve`")
         return common.ChatClient(base_url, args.simulator_model, args.api_key_env, timeout=args.simulator_timeout,
-                          max_retries=args.simulator_max_retries)
+                                 max_retries=args.simulator_max_retries)
     if args.backend == "local":
         return LocalChat(args.simulator_model)
     raise ValueError(f"backend must be one of {BACKENDS}, got {args.backend!r}")

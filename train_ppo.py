@@ -587,7 +587,7 @@ def main(argv=None) -> None:
         accelerator.init_trackers("rlver-ppo", config={**vars(args), **vars(dialogue_args)})
     openings = runner.openings(profiles)
     vllm_server = generation.VLLMServerGenerator(args.vllm_server_host, args.vllm_server_port,
-                                              args.temperature) if args.use_vllm else None
+                                                 args.temperature) if args.use_vllm else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     dialogues_per_step = args.profiles_per_step * args.dialogues_per_profile  # this rank's

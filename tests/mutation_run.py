@@ -40,9 +40,9 @@ TARGETS = [
     ("train_ppo.py", "masked_mean", [PPO, "-k", "masked_mean or mean_over or masked_tokens or policy_loss_is "
                                                 "or value_loss_is"]),
     ("train_ppo.py", "place_rewards", [PPO, "tests/test_turn_credit.py", "-k", "rewards_land or kl_penalty or lands_on "
-                                                                                "or puts_each or format_penalty"]),
+                                       "or puts_each or format_penalty"]),
     ("train_ppo.py", "turn_rewards", ["tests/test_turn_credit.py", "-k", "lands_on or puts_each or format_penalty "
-                                                                       "or return"]),
+                                      "or return"]),
     ("train_ppo.py", "dialogue_rows", ["tests/test_turn_credit.py", "-k", "lands_on or puts_each or return"]),
     ("train_grpo.py", "turn_terms", ["tests/test_turn_credit.py", "-k", "turn_terms or no_other or group_baseline"]),
     ("train_grpo.py", "token_advantages", ["tests/test_turn_credit.py", "-k", "token_advantages"]),
@@ -63,9 +63,9 @@ TARGETS = [
         "or responding_after or dialogue_ends"]),
     ("simulator.py", "parse_analysis", ["tests/test_analysis_format.py"]),
     ("eval_sentient.py", "summarize", ["tests/test_eval_sentient.py", "-k", "success_ or metrics_on or rescore_prints "
-                                                                          "or bootstrap or nine_judged"]),
+                                       "or bootstrap or nine_judged"]),
     ("eval_sentient.py", "judged_replies", ["tests/test_eval_sentient.py", "-k", "success_needs or metrics_on "
-                                                                               "or rescore_prints or nine_judged"]),
+                                            "or rescore_prints or nine_judged"]),
     ("report.py", "conversation", REPORT),
     ("report.py", "dialogue_block", REPORT),
     ("report.py", "filters", REPORT),

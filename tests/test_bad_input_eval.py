@@ -136,7 +136,7 @@ def test_general_options_that_select_nothing_or_cannot_hold_are_refused_while_pa
 
 @pytest.mark.parametrize("language_flag", [[], ["--language", "zh"]], ids=["chinese-profiles", "language-zh"])
 def test_chinese_dialogues_with_the_rule_backend_are_refused_before_any_model_loads(language_flag, no_sentient_model,
-                                                                                 tmp_path, capsys):
+                                                                                    tmp_path, capsys):
     language = "en" if language_flag else "zh"
     profiles = benchmark_profiles(tmp_path / "bench.jsonl", language=language)
     status, error = outcome(eval_sentient.main, ["--profiles", profiles, "--output", tmp_path / "new" / "r.jsonl",
@@ -243,7 +243,7 @@ def test_a_missing_general_model_is_refused_before_the_data_loads(model, message
 
 
 def test_output_paths_under_a_file_or_naming_a_folder_are_refused_creating_nothing(no_sentient_model,
-                                                                                  no_general_model, tmp_path, capsys):
+                                                                                   no_general_model, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
     profiles = benchmark_profiles(tmp_path / "bench.jsonl")
@@ -299,7 +299,7 @@ def test_a_general_run_resumes_onto_a_last_line_without_newline_and_keeps_every_
     ("summary.json", '{"humaneval": {"items": 1,', "summary.json:1: not valid JSON"),
 ], ids=["result-file", "summary"])
 def test_a_broken_file_in_the_output_folder_is_refused_before_the_model_loads(name, content, message, no_general_model,
-                                                                             tmp_path, capsys):
+                                                                              tmp_path, capsys):
     (tmp_path / name).write_text(content)
     status, error = outcome(eval_general.main, ["--tasks", "humaneval", "--output_dir", tmp_path], capsys)
     assert status == 1 and error.startswith(f"error: {tmp_path / name}") and message in error

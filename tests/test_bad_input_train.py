@@ -128,7 +128,7 @@ def test_an_unknown_flag_is_a_usage_error_not_a_traceback(trainer, capsys):
 def test_grpo_refuses_fewer_profiles_than_a_generation_batch_needs(tmp_path, model_folder):
     profiles = write_jsonl(tmp_path / "one.jsonl", [profile_row()])
     with pytest.raises(common.InputError, match=r"one.jsonl: 1 profile\(s\), but a generation batch of 8 dialogues "
-                                                   r".*4 per profile, needs 2 distinct profiles; add profiles"):
+                       r".*4 per profile, needs 2 distinct profiles; add profiles"):
         train_grpo.main(["--model_name_or_path", str(model_folder), "--output_dir", str(tmp_path / "run"),
                          "--profiles", str(profiles), "--per_device_train_batch_size", "8", "--num_generations", "4"])
     assert not (tmp_path / "run").exists()
@@ -224,7 +224,7 @@ def test_ppo_resume_of_a_finished_run_without_checkpoints_is_refused_keeping_its
 
 
 def test_ppo_resume_before_the_first_checkpoint_starts_again_at_step_0_without_the_old_rows(tiny_model_dir, tmp_path,
-                                                                                           capsys):
+                                                                                            capsys):
     """Killed before its first save: the steps it played are played again, so their rows go, with a note
     (not appended to: steps 0, 1 then 0 again)."""
     output_dir = tmp_path / "run"

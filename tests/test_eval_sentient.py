@@ -221,7 +221,7 @@ def test_an_endpoint_models_thinking_never_reaches_the_simulator_or_itself(tmp_p
         args = EvalArguments(model="tested", model_base_url=model.base_url, think=True, output=str(tmp_path / "r.jsonl"),
                              profiles=str(benchmark_profiles(tmp_path / "bench.jsonl", count=2)), bootstrap_samples=100)
         summary = eval_sentient.evaluate(args, simulator.SimulatorArguments(backend="llm", base_url=user.base_url,
-                                                                              simulator_model="sim-model"))
+                                                                            simulator_model="sim-model"))
     assert summary["n"] == 2
     assert all(thought not in json.dumps(body) for body in user.requests)  # the simulated user never saw it
     assert all(thought not in json.dumps(body) for body in model.requests)  # nor did the model's own context

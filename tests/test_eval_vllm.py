@@ -158,13 +158,13 @@ def test_a_folder_without_a_tokenizer_of_its_own_or_its_base_s_is_refused_naming
     for name in ("config.json", "model.safetensors"):  # train_ppo.py with use_peft false
         shutil.copy(tiny_model_dir / name, model_only)
     with pytest.raises(common.InputError, match=r"ppo-full holds a model but no tokenizer "
-                                                   r"\(tokenizer_config.json\).*no adapter_config.json"):
+                       r"\(tokenizer_config.json\).*no adapter_config.json"):
         common.loadable_model(str(model_only))
     adapter = shutil.copytree(ppo_folder, tmp_path / "ppo-adapter")
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps(config | {"base_model_name_or_path": str(model_only)}))
     with pytest.raises(common.InputError, match=r"ppo-adapter holds no tokenizer \(tokenizer_config.json\), "
-                                                   r"nor does its base model '.*ppo-full'"):
+                       r"nor does its base model '.*ppo-full'"):
         common.loadable_model(str(adapter))
     (tmp_path / "empty").mkdir()
     with pytest.raises(common.InputError, match=r"neither a model \(config.json\) nor a PEFT adapter"):

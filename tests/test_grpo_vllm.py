@@ -50,7 +50,7 @@ def assert_every_rank_got_its_own_completions(results: list[dict]) -> None:
 
 
 def test_server_mode_gives_each_rank_its_own_completions_when_ranks_hold_different_numbers(fake_server,
-                                                                                          tiny_model_dir, tmp_path):
+                                                                                           tiny_model_dir, tmp_path):
     url, _, log = fake_server
     assert_every_rank_got_its_own_completions(case_results(
         two_ranks(TESTS / "vllm_ranks.py", tmp_path, "server", 1, tiny_model_dir, url), tmp_path))

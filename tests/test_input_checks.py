@@ -84,7 +84,7 @@ def test_rules_name_every_broken_option_and_leave_unset_ones_alone():
     common.check_options(Options(), limit=common.AT_LEAST_ONE)
     with pytest.raises(common.ArgumentError) as error:
         common.check_options(Options(rate=0.0, count=0, limit=0), rate=common.POSITIVE,
-                                count=common.AT_LEAST_ONE, limit=common.AT_LEAST_ONE)
+                             count=common.AT_LEAST_ONE, limit=common.AT_LEAST_ONE)
     assert str(error.value) == ("--rate 0.0: must be above 0; --count 0: must be at least 1; "
                                 "--limit 0: must be at least 1")
 
@@ -141,7 +141,7 @@ def test_a_model_that_is_no_folder_and_no_reachable_hub_id_fails_at_once(tmp_pat
     with pytest.raises(common.InputError, match=r"^--model \./nope: no such folder \(and not a hub id"):
         common.resolve_model("./nope", "model")
     with pytest.raises(common.InputError, match=r"runs/nope: no such folder, and not in the hub cache .*"
-                                                   r"HF_HUB_OFFLINE is set"):
+                       r"HF_HUB_OFFLINE is set"):
         common.resolve_model("runs/nope")
     with pytest.raises(common.InputError, match="a folder without a model"):
         common.resolve_model(str(tmp_path))

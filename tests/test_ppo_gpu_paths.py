@@ -133,7 +133,7 @@ def test_ppo_tensors_are_made_on_the_device_of_the_models_and_batch(tiny_model_d
         batch = train_ppo.pad_batch(rows, pad_id=0, device="cpu")
         mask = batch["action_mask"]
         old_logprobs, old_values, _ = train_ppo.old_logprobs_and_values(model, batch, [2, 0, 1], args.temperature,
-                                                                         micro_batch_size=2)
+                                                                        micro_batch_size=2)
         ref_logprobs, _ = train_ppo.token_logprobs(reference, batch["input_ids"], batch["attention_mask"], mask,
                                                    args.temperature)
         on_last_action = [{len(ids) - 1: reward} for (ids, _), reward in zip(rows, [0.3, 0.5, 0.4])]

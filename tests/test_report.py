@@ -84,7 +84,7 @@ def test_every_dialogue_is_on_the_page_with_its_trajectory(training_run):
         assert dialogue["attrs"]["data-outcome"] == ("success" if expected[-1] >= 100 else
                                                      "failure" if expected[-1] < 10 else "other")
     assert [d["attrs"]["data-intention"] for d in page.dialogues] == ["not_at_fault", "venting", "not_at_fault",
-                                                                       "not_at_fault"]
+                                                                      "not_at_fault"]
 
 
 def injected(tag: str) -> str:

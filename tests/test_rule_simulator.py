@@ -202,7 +202,7 @@ def test_only_questions_are_not_a_reply(make_profile):
 def test_a_template_with_other_words_slotted_in_counts_as_a_repeat(make_profile):
     template = "It sounds like {} left you so hurt. No wonder you can't stop thinking about {}. What was that like?"
     first, second = turns(make_profile("venting"), [template.format("Dana", "Lisbon"),
-                                                     template.format("the ceremony", "your mother")])
+                                                    template.format("the ceremony", "your mother")])
     assert first.change == 10 and "mostly the same as an earlier reply" in second.reasoning and second.change < 0
 
 
@@ -250,7 +250,7 @@ def test_a_short_template_whose_slots_are_most_of_it_is_still_a_repeat(make_prof
     # under half (0.41), so only the skeleton, the user's words masked, shows the same template (0.65).
     template = "It sounds like {} and the {} in {} left you so hurt. What was that like?"
     first, second = turns(make_profile("venting"), [template.format("Dana", "wedding", "Lisbon"),
-                                                     template.format("her photos", "concert", "the morning")],
+                                                    template.format("her photos", "concert", "the morning")],
                           variant=variant)
     assert first.change > 0  # grounded and on need the first time
     assert second.change < 0 and "mostly the same as an earlier reply" in second.reasoning

@@ -105,7 +105,7 @@ def test_policy_loss_is_the_larger_of_the_clipped_and_unclipped_losses(advantage
     (0.5, 0.6, 0.0, 0.18),  # the clip is around the old value 0.5: 0.6 is within it, 0.5 * 0.6^2
 ])
 def test_value_loss_is_half_the_larger_of_the_clipped_and_unclipped_squared_errors(old_value, new_value, return_,
-                                                                                     expected):
+                                                                                   expected):
     _, value_loss, stats = losses_of_one_action(old_value=old_value, new_value=new_value, return_=return_)
     assert value_loss == pytest.approx(expected, abs=1e-6)
     assert stats["ppo/value_loss"] == pytest.approx(expected, abs=1e-6)

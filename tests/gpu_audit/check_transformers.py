@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  
 import generation  # noqa: E402
 tok = AutoTokenizer.from_pretrained(TINY)
 model = AutoModelForCausalLM.from_pretrained(TINY).eval()
-gen = generation.TransformersGenerator(model, tok, GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+gen = generation.TransformersGenerator(model, tok, GenerationConfig(
+    do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
 try:
     out, _ = gen([[1, 2, 3, 4], [5, 6, 7]], [5, 5])
     print("first call OK", out)
