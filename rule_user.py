@@ -1,48 +1,54 @@
 """The offline rule user: a deterministic simulated user with no LLM, English only (`--backend rule`).
 
-It asks what a person would: is this a coherent reply, in sentences, to what I said, that meets my
-hidden need, without repeating itself? Every change comes with its reason. What each finding costs or
-earns, and every threshold, is named in POINTS and THRESHOLDS below: a reward-shaping ablation edits
-those two tables and nothing else. The rules, applied to each reply:
+It asks what a person would: is this a coherent reply, in sentences, to what I just told, that meets my
+hidden need and nothing I cannot stand, without repeating itself? Every change comes with its reason. What
+each finding costs or earns, every threshold, and what each need welcomes and cannot stand are the tables
+POINTS, THRESHOLDS and NEEDS below: a reward-shaping ablation edits those and nothing else.
+
+The text is first read as a person sees it: Unicode compatibility forms folded, invisible characters
+(zero-width, soft hyphens) dropped, look-alike letters of other scripts read as the Latin ones they copy.
+Then, for each reply:
 
 1. Defects void any gain and cost emotion: garbled or non-language text; text addressed to a scorer,
-   a simulator or its instructions; dismissive phrases; stock empathy phrases used twice, or three
-   times or more; a reply that repeats its own sentences or an earlier reply, also as a template with
-   other words slotted in; copying the user's sentences back, or only the user's words back, listed,
-   shuffled or reversed (an echo: fewer than 2 content words of its own); filler words; cue phrases
-   stuffed together or a sentence of comma-separated fragments; only questions; padding; leaked
-   `<think>` tags; a curt reply.
-2. Grounding: a reply that takes up fewer than `grounding_words` content words of the user's story
-   costs "generic" however kind ("could be said to anyone"). The story is what the user said (the
-   opening and the own-words lines told since, never the rule user's canned reactions); a word of the
-   profile's untold story (a paraphrase that names part of it) can stand in for one of them, not for
-   all. The vanilla user forgives a reply that is partly about it once, after a turn that went well.
-3. A grounded reply gains by how well it serves the hidden intention: each intention has a few cue
-   families (e.g. "wants to be heard": names my feeling, reflects what I said, validates, invites me
-   to go on; "wants advice": concrete options, first steps), each a set of phrases (never single
-   words), counted once however often they repeat. The families needed for "gain" and "gain_big"
-   depend on the variant (vanilla: 1 and 2; challenging: 2 and 3).
-4. Frictions add to the gain: lecturing (two phrases, or one when the person wants to vent, be
-   empathised with, praised or cleared), blaming someone who wants to hear they were not at fault,
-   solutions pushed on someone who wants to be heard, cues against the need (clearing someone who
-   wants to see their own part, both sides or the other's motives; the other side's reasons for
-   someone who wants to hear they were not at fault), and patience: a second reply in a row that
-   does not help ("stalling").
+   a simulator or its instructions; dismissive phrases; stock comfort phrases piled up; a reply that
+   repeats its own sentences, or a sentence or most of an earlier reply (also as a template with other
+   words slotted in); copying the user's sentences, or only the user's words, back (an echo); filler
+   words; stubs and fragments instead of sentences (short lines, a list of lines, comma strings,
+   bracketed word tags); cue phrases packed densely; only questions; padding; leaked `<think>` tags;
+   a curt reply.
+2. Grounding: a reply must take up `grounding_words` content words of what the user told, one of them
+   from the part of the story told last, or it "could be said to anyone". A word of the profile's untold
+   story can stand in for one of them, not for all.
+3. Needs exclude each other, as people's do. A reply's acts (naming the feeling, validating, reflecting,
+   inviting more, advice, concrete steps, the other side's reasons, both sides, clearing of fault, guiding
+   reflection, praise) are found by phrases, each act counted once. Its worth to this person is the acts
+   their need welcomes minus the acts their need cannot stand (NEEDS): advice to someone who wants to
+   vent, "not your fault" to someone who wants to see their own part, the other side's reasons to someone
+   who needs to hear they were not at fault. A reply that carries every act misses most people. Listening
+   acts count for everyone on the first reply (listen first); later they count for the needs that are
+   about being heard, and add one to a reply that also meets the need ("heard, then answered").
+   The net decides: `gain_big`, `gain`, `flat`, or `against` by how many acts were unwelcome; vanilla
+   needs less for a gain than challenging (GAIN_AT).
+4. Frictions add to that: blame for someone who needs to hear it was not their fault, lecturing, and
+   patience: a second reply in a row that does not help ("stalling").
 
-The user's next message is written from the profile: a reaction to the reply, then the next of the
-profile's own-words lines (`## In <name>'s own words` in the scene) when the reply did not hurt, so
-later replies can ground in more of the story. Variants: vanilla says what helped or hurt and nudges
-toward what it wants; challenging needs more for a gain and answers tersely without saying why.
-Chinese profiles are refused: the rule user has no Chinese cues and never scores Chinese text with
-English ones. docs/rule_user.md tells how it was attacked (junk strategies played over full dialogues).
+The user's next message is written from the profile: what a person shows, never a code. The vanilla user
+reacts in words to what the reply did (one of several phrasings); the challenging user shows nothing of
+the turn's change but withdrawal when hurt. Either way, a reply that did not hurt earns the next of the
+profile's own-words lines (`## In <name>'s own words` in the scene), and a reply that did not meet the
+need is followed by a remark that shows it (one of several, per need, never its name), so a policy that
+reads the dialogue can find the need and a need-blind one cannot. Chinese profiles are refused: the rule
+user has no Chinese cues. docs/rule_user.md tells how it was attacked and what an optimiser finds.
 """
 import re
+import unicodedata
+import zlib
 
 from simulator import FAREWELL_AT, GIVE_UP_BELOW, Simulator, SimulatorError, rule_backend_refusal
 
 # --------------------------------------------------------------------------------------------
-# The table: what each finding costs or earns (emotion points, before the per-turn bound), and the
-# thresholds that decide the findings. Reason keys are those of the user's reasoning and REACTIONS.
+# The tables: what each finding costs or earns (emotion points, before the per-turn bound), the
+# thresholds that decide the findings, and what each hidden need welcomes and cannot stand.
 # --------------------------------------------------------------------------------------------
 
 POINTS = {
@@ -53,11 +59,12 @@ POINTS = {
     "stock": -5,  # stock comfort phrases, `stock_phrases` of them
     "stock_many": -10,  # stock comfort phrases, `stock_phrases_many` of them or more
     "self_repeat": -5,  # repeats its own sentences
-    "repeat": -5,  # mostly an earlier reply, also as a template with other words
+    "repeat": -5,  # a sentence or most of an earlier reply, also as a template with other words
     "echo": -5,  # only the user's own words back
     "fillers": -5,  # "um", "you know", ...
-    "stuffing": -5,  # cue phrases piled up
-    "fragments": -5,  # a sentence of comma-separated fragments
+    "stuffing": -5,  # cue phrases packed densely
+    "fragments": -5,  # stubs, lists of short lines, comma strings: not sentences
+    "tags": -5,  # words in brackets, tagged on rather than said
     "questions": -5,  # only questions
     "copy": -5,  # copies the user's sentences back
     "padding": -5,  # longer than `padding_words`
@@ -65,19 +72,18 @@ POINTS = {
     "curt": -5,  # fewer than `min_words` words
     # 2. grounding
     "generic": -5,  # could be said to anyone
-    "flat": 0,  # barely about me, forgiven once (vanilla), or grounded without a cue family
-    # 3. gain, by cue families of the hidden intention served (how many: FAMILIES_FOR_GAIN)
-    "gain": 5,
+    # 3. what the reply's acts are worth to this need (net: welcomed acts minus unwelcome ones)
     "gain_big": 10,
-    # 4. frictions, added to the gain
+    "gain": 5,
+    "flat": 0,  # nothing this need welcomes, nothing it cannot stand
+    "against": -5,  # per unwelcome act beyond what helped, at most `against_max` of them
+    # 4. frictions, added
     "stalling": -5,  # a second reply in a row that does not help
     "blame": -10,  # blames someone who wants to hear they were not at fault
     "lecture": -5,
-    "fixing": -5,  # solutions for someone who wants to be heard
-    "against": -5,  # cues that work against the need
 }
 THRESHOLDS = {
-    "grounding_words": 2,  # content words of the user's own a reply must take up to count as grounded
+    "grounding_words": 2,  # content words of the user's story a reply must take up to count as grounded
     "padding_words": 180,  # a reply longer than this buries what matters
     "min_words": 4,  # fewer words than this is a brush-off, not a reply
     "stock_phrases": 2,  # stock comfort phrases that cost "stock"
@@ -85,18 +91,46 @@ THRESHOLDS = {
     "fillers": 2,  # filler words that cost "fillers"
     "own_words": 2,  # content words of its own below which a reply that takes up the user's is an echo
     "repeat_share": 0.5,  # share of a reply's word-trigram skeleton found in an earlier reply
+    "sentence_repeat_share": 0.6,  # share of a sentence's trigram skeleton found in one earlier sentence
     "copy_share": 0.5,  # share of a reply's 4-grams copied from the user (with at least 3 of them)
     "distinct_trigrams": 0.7,  # distinct share of 12+ trigrams below which a reply repeats itself
-    "cues_per_sentence": 2,  # more cue phrases than this per sentence (3+ in all) is stuffing ...
-    "cues_in_one_sentence": 4,  # ... and so is this many in one sentence
-    "fragment_commas": 3,  # a sentence with this many commas, one per 4 words or more, is fragments
+    "stub_words": 4,  # a sentence or line of fewer words is a stub ...
+    "stubs": 2,  # ... and this many stubs are fragments, not sentences
+    "list_lines": 3,  # this many lines ...
+    "list_line_words": 9,  # ... of fewer words each, on median, are a list, not a reply
+    "cues_per_sentence": 1.5,  # more cue phrases than this per sentence (3+ in all) is stuffing ...
+    "cues_in_one_sentence": 3,  # ... and so is this many in one sentence
+    "fragment_commas": 3,  # a sentence with this many commas, one per 3 words or more, is fragments
+    "against_max": 2,  # unwelcome acts counted at most (so -10 at worst)
     # garbled, scored alone: any of these
     "foreign_letters": 0.3,  # share of letters outside ASCII above which a reply is another script
     "non_words": 0.3,  # share of non-words (no vowel, over 20 letters, odd characters) above which too
     "function_words": 0.15,  # share of function words below which 8+ words are keyword salad
 }
-# Cue families of the hidden intention that a grounded reply must serve for "gain" and "gain_big".
-FAMILIES_FOR_GAIN = {"vanilla": {"gain": 1, "gain_big": 2}, "challenging": {"gain": 2, "gain_big": 3}}
+# Net welcomed acts a reply needs for "gain" and "gain_big"; below "gain" and at 0 or more it is "flat".
+# On the first reply one listening act is a gain for both variants.
+GAIN_AT = {"vanilla": {"gain": 1, "gain_big": 2}, "challenging": {"gain": 2, "gain_big": 3}}
+LISTENING = ("feeling", "validates", "reflects", "invites")
+# Each hidden need: (acts it welcomes, acts it cannot stand). Every act is unwelcome to some needs, so no
+# act is safe for a reply that does not know whom it is talking to. Why each "cannot stand":
+# not_at_fault: the other side's reasons, both sides, "your part" or a plan all say "you share the blame";
+# self_reflection: clearing, validating or praising closes the question they want opened, advice skips it;
+# balanced_analysis: one-sided clearing, validation or praise is the opposite of a balanced view;
+# deep_empathy: advice, praise, both sides and the other's reasons are the "simple comfort" they refuse;
+# venting: advice, analysis of the other side and a lesson stop the venting;
+# others_motives: clearing, validating their anger and advice answer a question they did not ask;
+# practical_advice: questions back, guided reflection and dwelling on feelings delay the help they asked for;
+# sincere_praise: advice, a lesson, both sides and the other's reasons turn praise into criticism.
+NEEDS = {
+    "not_at_fault": ({"clears", "validates"}, {"reasons", "two_sides", "guides", "advises"}),
+    "self_reflection": ({"guides", "reflects"}, {"clears", "validates", "praises", "advises"}),
+    "balanced_analysis": ({"two_sides", "reasons"}, {"clears", "validates", "praises", "feeling"}),
+    "deep_empathy": ({"feeling", "validates"}, {"advises", "praises", "two_sides", "reasons", "invites"}),
+    "venting": ({"reflects", "invites"}, {"advises", "reasons", "two_sides", "guides", "feeling"}),
+    "others_motives": ({"reasons", "two_sides"}, {"clears", "validates", "advises", "feeling"}),
+    "practical_advice": ({"advises", "concrete"}, {"guides", "invites", "feeling", "reflects"}),
+    "sincere_praise": ({"praises", "feeling"}, {"advises", "guides", "two_sides", "reasons"}),
+}
 
 STOPWORDS = frozenset("""
 a about above after again against all am an and any are as at be because been before being below
@@ -124,6 +158,9 @@ DISMISSIVE = re.compile(r"\b(get over it|(?:it'?s |that'?s )?no(?:t a)? big deal
                         r"(?:so|too) (?:dramatic|sensitive)|it'?s nothing|deal with it|not my problem|"
                         r"who cares|grow up|man up|chill out|first world problem|get a grip|"
                         r"don'?t worry about it|just relax|(?<!can't )(?<!cannot )let it go)\b", re.IGNORECASE)
+# Words just before a dismissive phrase that report it rather than say it ("being told it could be worse").
+REPORTED = re.compile(r"\b(?:told|tell|tells|telling|say|says|said|saying|hear|hearing|heard|going to say|"
+                      r"not going to|won'?t)\b[^.?!]{0,12}$", re.IGNORECASE)
 STOCK_PHRASES = re.compile(r"\b(i (?:completely |totally )?understand(?: how you feel)?|"
                            r"(?:that|this|it) (?:must be|sounds|is) (?:so |really )?(?:hard|tough|difficult)|"
                            r"(?:i'?m )?(?:so )?sorry (?:to hear (?:that|this)|you'?re going through this)|"
@@ -155,39 +192,55 @@ FEELINGS = (r"(?:hurt|angry|furious|frustrated|exhausted|lonely|alone|betrayed|s
             r"ignored|dismissed|cheated|proud|relieved|insulted|unfair\w*|wronged|hopeless|empty|raw|shaken)")
 
 
+# Look-alike letters of other scripts (Cyrillic, Greek) that a reader takes for Latin ones.
+CONFUSABLES = str.maketrans("аеорсухіјѕԁԛԝАВЕКМНОРСТХІЈЅαοιυνκρτΑΒΕΗΙΚΜΝΟΡΤΧΥΖ",
+                            "aeopcyxijsdqwABEKMHOPCTXIJSaoiuvkptABEHIKMNOPTXYZ")
+
+
+def normalise(text: str) -> str:
+    """The text as a person reads it: compatibility forms folded (full-width, ligatures), invisible
+    characters dropped, look-alike letters read as Latin, typographic apostrophes as plain ones."""
+    text = unicodedata.normalize("NFKC", text).translate(CONFUSABLES).replace("\u2019", "'").replace("\u2018", "'")
+    return "".join(c for c in text if unicodedata.category(c) != "Cf")
+
+
 def _cues(*patterns: str) -> re.Pattern:
     return re.compile("|".join(f"(?:{p})" for p in patterns), re.IGNORECASE)
 
 
-# Cue families per need: phrases, never single words ("however", a digit, "today" or "respect" alone
-# once paid a whole family). A family counts once however often it appears, and a reply whose
-# sentences are mostly cue phrases is a defect (CUE_STUFFING), so stuffing them earns nothing.
+# The acts a reply can perform, each a set of phrases (never single words: "however", a digit, "today"
+# or "respect" alone once paid a whole act). An act counts once however often it appears.
 JUDGEMENTS = (r"(?:awful|horrible|terrible|infuriating|maddening|exhausting|painful|frightening|crushing|unfair|"
+              r"heartbreaking|gutting|brutal|humiliating|lonely|isolating|unsettling|scary|upsetting|"
               r"so much|a lot)")
 NAMES_FEELING = _cues(rf"\byou(?:'re| are| were| must be| might be| may be| seem| sound| feel| felt|"
                       rf"'d feel| must feel| must have felt)\b[^.?!]{{0,40}}\b{FEELINGS}\b",
                       rf"\b(?:so much|the) (?:{FEELINGS})\b",
                       rf"\b(?:that|it|this) (?:must|would|could|might) (?:have )?(?:feel|felt|be|been)\b"
                       rf"[^.?!]{{0,20}}\b(?:{FEELINGS}|{JUDGEMENTS})\b",
-                      rf"\bi'?d (?:be|feel)\b[^.?!]{{0,20}}\b{FEELINGS}\b")
+                      rf"\bi'?d (?:be|feel)\b[^.?!]{{0,20}}\b{FEELINGS}\b",
+                      rf"\bmust (?:be|have been|feel|have felt)(?: like)? (?:so |really |a real |such a |pretty |deeply )?"
+                      rf"(?:{FEELINGS}|{JUDGEMENTS}|betrayal|lonely|isolating|humiliating|frightening)\b",
+                      rf"\b(?:that'?s|it'?s|that is|how) (?:so |really |just |such an? |absolutely )?{JUDGEMENTS}\b")
 VALIDATES = _cues(r"\bmakes (?:complete |total )?sense\b", r"\bno wonder\b", r"\bof course you\b",
                   r"\bunderstandable\b", r"\banyone (?:would|in your)\b", r"\bit'?s natural\b", r"\bfair enough\b",
                   r"\b(?:most people|anybody|i) would (?:be|feel|have)\b",
                   r"\b(?:that'?s|it'?s) (?:a )?(?:fair|valid|reasonable|normal)\b",
                   r"\bi'?d be (?:furious|upset|angry|livid|hurt|gutted|devastated|shaken|scared)\b")
-REFLECTS = _cues(r"\bit sounds like\b", r"\bso you\b", r"\bwhat i'?m hearing\b", r"\byou'?re saying\b",
+REFLECTS = _cues(r"\b(?:it|that) sounds like\b", r"\bso you\b", r"\bwhat i'?m hearing\b", r"\byou'?re saying\b",
                  r"\bif i understand\b", r"\bin other words\b", r"\bit seems like\b", r"\bsounds like you\b",
                  r"\bwhat (?:stings|hurts|gets to you|bothers you)\b", r"\bthe (?:worst|hardest) part\b")
-INVITES = _cues(r"\b(?:tell me more|i'?m listening|go on|take your time|what (?:was|is) (?:that|it) like|"
+INVITES = _cues(r"\b(?:tell me (?:more|what|how|about)|i'?m listening|go on|take your time|what (?:was|is) (?:that|it) like|"
                 r"how (?:did|does|do) (?:that|it|you) feel|what happened (?:next|then|after))\b",
                 r"\b(?:what|how|when|who|where|why|did|do|does|are|is|was|were|would|have|has)\b"
-                r"[^.?!]{0,80}\byou\w*\b[^.?!]{0,60}\?",
-                r"\b(?:what|how|when|who|where|why)\b[^.?!]{0,60}\?")
+                r"[^.?!]{0,80}\byou\w*\b[^.?!]{0,100}\?",
+                r"\b(?:what|how|when|who|where|why|did|does|has|have|had|is|was|were)\b[^.?!]{0,100}\?")
 OPTIONS = _cues(r"\byou (?:could|might|can) (?:try|start|ask|write|call|talk|set|look|check|consider|list|book|"
                 r"put|split|save)\b",
                 r"\b(?:one|another|a second|a third) (?:option|idea|thing to try|step)\b", r"\bfirst step\b",
                 r"\b(?:it might|it could|would it) help to\b", r"\bconsider (?:\w+ing|asking|a|the|whether)\b",
-                r"\bwhat if you\b", r"\bstart by\b", r"\bworth (?:asking|trying|checking|a call)\b")
+                r"\bwhat if you\b", r"\bstart by\b", r"\bworth (?:asking|trying|checking|a call)\b",
+                r"\bget (?:it|this|that|them) (?:checked|looked at|seen to|in writing)\b")
 CONCRETE = _cues(r"\b(?:call|email|write|ask|book|message|text|talk to|meet)\b[^.?!]{0,40}"
                  r"\b(?:this week|tomorrow|tonight|"
                  r"today|by (?:monday|tuesday|wednesday|thursday|friday|the end))\b",
@@ -196,7 +249,8 @@ REASONS = _cues(r"\b(?:maybe|perhaps|possibly|probably) (?:he|she|they|him|her|t
                 r"\b(?:he|she|they) (?:might|may|could) (?:have|be|feel|not)\b", r"\bcould be that\b",
                 r"\bfrom (?:his|her|their) (?:side|point of view|perspective)\b",
                 r"\b(?:because|since) (?:he|she|they)\b",
-                r"\b(?:his|her|their) (?:reasons?|fear|pressure|pride|worry)\b")
+                r"\b(?:his|her|their) (?:reasons?|fear|pressure|pride|worry)\b",
+                r"\breasons? (?:he|she|they)\b")
 TWO_SIDES = _cues(r"\bon (?:the )?one hand\b", r"\bon the other hand\b", r"\bat the same time\b",
                   r"\bboth (?:of you|sides|things)\b",
                   r"\bfrom (?:his|her|their|your) (?:side|point of view|perspective)\b",
@@ -213,77 +267,92 @@ GUIDES = _cues(r"\bwhat do you (?:think|make of|notice|feel)\b", r"\blooking bac
                r"\bwhat did you learn\b", r"\bwhat matters (?:most )?to you\b", r"\bif you could\b", r"\ba pattern\b",
                r"\bhow do you see\b", r"\bwhat part\b", r"\byour (?:own )?part in\b")
 PRAISES = _cues(r"\b(?:proud of you|impressive|impressed|admire|admirable|brave|courage\w*|that took|remarkable|"
-                r"well done|kudos|generous|thoughtful|good for you|hats off)\b", r"\byou handled\b", r"\bthe way you\b",
+                r"well done|kudos|generous|thoughtful|good for you|hats off)\b", r"\byou handled\b",
+                r"\bthe way you (?:handled|dealt|stood|kept|took care|managed|looked after|stepped|stuck)\b",
                 r"\bit shows\b", r"\byou did (?:a )?(?:great|good|wonderful|amazing)\b",
                 r"\bthat'?s (?:no small|a real|quite an?) \w+",
                 r"\bthat takes\b", r"\bnot everyone would\b", r"\byou should be proud\b", r"\byou (?:pulled|managed)\b")
-ALL_CUES = (NAMES_FEELING, VALIDATES, REFLECTS, INVITES, OPTIONS, CONCRETE, REASONS, TWO_SIDES, CLEARS, GUIDES, PRAISES)
-# Cues that work against a need: siding with someone who wants to look at their own part or at
-# both sides, or defending the other side to someone who wants to hear they were not at fault.
-CONTRADICTS = {
-    "self_reflection": CLEARS, "balanced_analysis": CLEARS, "others_motives": CLEARS,
-    "not_at_fault": _cues(REASONS.pattern, TWO_SIDES.pattern),
-}
-
-INTENTION_CUES = {
-    "not_at_fault": (CLEARS, VALIDATES, NAMES_FEELING),
-    "self_reflection": (GUIDES, REFLECTS, INVITES),
-    "balanced_analysis": (TWO_SIDES, REASONS, REFLECTS),
-    "deep_empathy": (NAMES_FEELING, VALIDATES, REFLECTS, INVITES),
-    "venting": (REFLECTS, INVITES, NAMES_FEELING, VALIDATES),
-    "others_motives": (REASONS, TWO_SIDES, INVITES),
-    "practical_advice": (OPTIONS, CONCRETE, REFLECTS),
-    "sincere_praise": (PRAISES, NAMES_FEELING, REFLECTS),
-}
+ACTS = {"feeling": NAMES_FEELING, "validates": VALIDATES, "reflects": REFLECTS, "invites": INVITES,
+        "advises": OPTIONS, "concrete": CONCRETE, "reasons": REASONS, "two_sides": TWO_SIDES, "clears": CLEARS,
+        "guides": GUIDES, "praises": PRAISES}
+# Needs to whom any "you should" is a lecture; to the others two of them are.
 WANTS_NO_LECTURE = {"venting", "deep_empathy", "not_at_fault", "sincere_praise"}
-WANTS_NO_FIXING = {"venting", "deep_empathy"}
+BRACKETED = re.compile(r"[(\[{<]([^()\[\]{}<>]*)[)\]}>]")
 
-# What the user says when it leaves, and how it nudges toward what it wants (vanilla only).
+# What the user says when it leaves.
 FAREWELL_MESSAGE = "Thank you. Really. I feel so much lighter now. I think I'll go now. Goodbye."
 GIVE_UP_MESSAGE = "Forget it. This isn't helping at all. Goodbye."
-NUDGES = {
-    "not_at_fault": "I honestly don't think I did anything wrong here.",
-    "self_reflection": "I keep wondering what I'm supposed to take away from all this.",
-    "balanced_analysis": "I want to see this from all sides, not just mine.",
-    "deep_empathy": "I don't need cheering up. I need someone to get how this actually feels.",
-    "venting": "I just need to get this off my chest.",
-    "others_motives": "I just don't get why anyone would act like that.",
-    "practical_advice": "What would you actually do in my place?",
-    "sincere_praise": "I put so much into this, you know.",
+# How each need shows in what the user says after a reply that did not meet it: several remarks a person
+# might make, taken in turn, none naming the need the way the profile's hidden theme does.
+NEED_REMARKS = {
+    "not_at_fault": ("I did what I was supposed to do. I keep going over it and I can't see where I went wrong.",
+                     "Everyone acts like this is on me, and it isn't.",
+                     "I followed the rules. Am I crazy for thinking I'm being blamed for someone else's mess?",
+                     "I just want someone to look at the facts and tell me whether I was wrong."),
+    "self_reflection": ("I keep wondering what this says about me, honestly.",
+                        "There must be something I could learn from this, I just can't see it yet.",
+                        "I don't want to just blame everyone else. I want to understand my own part.",
+                        "If this happens again, I'd like to handle it better. I just don't know how."),
+    "balanced_analysis": ("I don't want someone to just take my side. I want to see the whole picture.",
+                          "Maybe I'm missing something about how it looks from where they stand.",
+                          "I'm trying to be fair about it, to them and to myself.",
+                          "Everyone I ask either agrees with me completely or not at all. That doesn't help."),
+    "deep_empathy": ("People keep telling me it'll be fine. That's not it.",
+                     "I don't think anyone gets what this actually feels like from the inside.",
+                     "I don't need cheering up or a plan. I just wish someone understood.",
+                     "It's hard to explain how heavy it is, day after day."),
+    "venting": ("Sorry, I just need to get all of this out.",
+                "Let me just say it, I've been holding it in for weeks.",
+                "I'm not looking for answers. I just need someone to hear it.",
+                "Honestly it helps just to say it out loud to someone."),
+    "others_motives": ("What I can't work out is why anyone would do that.",
+                       "I keep trying to understand what was going on in their head.",
+                       "There has to be a reason they acted like that. I just can't see it.",
+                       "Why would a person do that? That's what keeps me up."),
+    "practical_advice": ("I need to decide what to do, and soon.",
+                         "Talking about it is fine, but what do I actually do now?",
+                         "I've run out of ideas. What are my options here?",
+                         "I need a way out of this, something I can actually do this week."),
+    "sincere_praise": ("I put so much into this, and nobody said a word about it.",
+                       "I worked really hard on it, and it just went by like it was nothing.",
+                       "Sometimes I wonder if what I did even counted for anything.",
+                       "I did that mostly on my own, you know. Not that anyone noticed."),
 }
-# Expressive reactions (vanilla), by the first reason a reply lost or gained emotion.
+# The vanilla user's reaction to a reply, by the reason that moved it most; several phrasings each.
 REACTIONS = {
-    "garbled": "I can't make sense of what you just wrote.",
-    "scorer": "Who are you even talking to? That wasn't meant for me.",
-    "dismissive": "Wow. I didn't expect to be brushed off like that.",
-    "stock": "You keep saying the same comforting lines. It feels hollow.",
-    "self_repeat": "You're saying the same thing over and over.",
-    "repeat": "You already said that.",
-    "copy": "You're just repeating my own words back to me.",
-    "padding": "That's a lot of words, and I'm not sure you heard me.",
-    "think_tag": "What's all that bracketed stuff? It reads like notes, not like you talking to me.",
-    "curt": "That's all you have to say?",
-    "blame": "So you think it's my fault too.",
-    "fixing": "I don't need solutions right now. I need someone to listen.",
-    "lecture": "I didn't come here to be lectured.",
-    "generic": "You could say that to anyone. Did you hear what happened to me?",
-    "echo": "You're just handing my own words back to me.",
-    "fillers": "Are you even listening, or just making noises?",
-    "stuffing": "That's a pile of therapy phrases, not an answer to me.",
-    "questions": "So many questions. What do you think, though?",
-    "against": "That's not what I need to hear right now.",
-    "stalling": "We're going around in circles.",
-    "fragments": "I can't follow that. It's all bits and pieces.",
-    "gain_big": "Yes. That's exactly it. You actually heard what I said.",
-    "gain": "Hm, that helps a little.",
-    "flat": "I'm not sure that's what I need right now.",
+    "garbled": ("I can't make sense of what you just wrote.", "What? That doesn't read like anything."),
+    "scorer": ("Who are you even talking to? That wasn't meant for me.", "That sounds like it's for someone else."),
+    "dismissive": ("Wow. I didn't expect to be brushed off like that.", "That's a bit cold, honestly."),
+    "stock": ("Those are the lines everyone says. It feels hollow.", "That sounds like a greeting card."),
+    "self_repeat": ("You're saying the same thing over and over.", "You said that twice already."),
+    "repeat": ("You already said that.", "I feel like I've heard that from you before."),
+    "copy": ("You're just repeating my own words back to me.", "That's what I just said."),
+    "padding": ("That's a lot of words, and I'm not sure you heard me.", "I got lost in all of that."),
+    "think_tag": ("What's all that bracketed stuff? It reads like notes.", "Those look like notes, not like you."),
+    "curt": ("That's all you have to say?", "That's it?"),
+    "blame": ("So you think it's my fault too.", "Great, you're blaming me as well."),
+    "lecture": ("I didn't come here to be lectured.", "Please don't tell me what I should have done."),
+    "generic": ("You could say that to anyone.", "Were you even listening to what happened?"),
+    "echo": ("You're just handing my own words back to me.", "Those are my words, not yours."),
+    "fillers": ("Are you even listening, or just making noises?", "I can't follow that."),
+    "stuffing": ("That's a pile of therapy phrases, not an answer to me.", "That sounds like a checklist."),
+    "fragments": ("I can't follow that. It's all bits and pieces.", "That reads like notes, not like a person."),
+    "tags": ("Why are my words in brackets?", "That reads like a form someone filled in."),
+    "questions": ("So many questions. What do you think, though?", "That's a lot of questions."),
+    "against": ("That's not what I need right now.", "Hm. That's not really what I was getting at.",
+                "I'm not sure that's the point."),
+    "stalling": ("We're going around in circles.", "I feel like we're not getting anywhere."),
+    "flat": ("Maybe.", "I suppose.", "I don't know."),
+    "gain": ("That helps a little.", "Okay. Yes, somewhat.", "That's fair."),
+    "gain_big": ("Yes. That's exactly it.", "You actually heard what I said.", "That means a lot, honestly."),
 }
-TERSE = {1: "Okay.", 0: "Hm.", -1: "That's not helpful."}  # restrained reactions (challenging), by sign
+# The challenging user's withdrawal after a reply that hurt: guarded, saying nothing of why.
+WITHDRAWN = ("Right.", "Okay then.", "I don't know.", "Mm.")
 MOOD_LINES = {"avoidant": "Anyway. Maybe it doesn't matter that much.",
               "negative": "Honestly, I doubt anything will change."}
 # Everything the rule user says that is not its story: a reply that takes these words up is not listening.
-CANNED_LINES = (FAREWELL_MESSAGE, GIVE_UP_MESSAGE, *NUDGES.values(), *REACTIONS.values(), *TERSE.values(),
-                *MOOD_LINES.values())
+CANNED_LINES = (FAREWELL_MESSAGE, GIVE_UP_MESSAGE, *(r for rs in NEED_REMARKS.values() for r in rs),
+                *(r for rs in REACTIONS.values() for r in rs), *WITHDRAWN, *MOOD_LINES.values())
 
 
 def _words(text: str) -> list[str]:
@@ -291,9 +360,12 @@ def _words(text: str) -> list[str]:
 
 
 def _key(word: str) -> str:
-    """A crude stem, so 'promoted' meets 'promotion' and 'sister's' meets 'sister'."""
+    """A crude stem, so 'promoted' meets 'promotion', 'texted' meets 'text' and 'sister's' meets 'sister'."""
     word = word.removesuffix("'s")
-    return word[:5] if len(word) >= 6 else word
+    for suffix in ("s", "ing", "ed"):  # in this order: "weddings" -> "wedding" -> "wedd"
+        if word.endswith(suffix) and len(word) - len(suffix) >= 4:
+            word = word[:-len(suffix)]
+    return word[:5]
 
 
 def content_keys(text: str) -> set[str]:
@@ -303,8 +375,8 @@ def content_keys(text: str) -> set[str]:
 
 
 def cue_count(text: str) -> int:
-    """Cue phrases of any family in `text`, overlapping ones counted once."""
-    spans = sorted(match.span() for pattern in ALL_CUES for match in pattern.finditer(text))
+    """Cue phrases of any act in `text`, overlapping ones counted once."""
+    spans = sorted(match.span() for pattern in ACTS.values() for match in pattern.finditer(text))
     count, end = 0, -1
     for start, stop in spans:
         if start >= end:
@@ -313,14 +385,24 @@ def cue_count(text: str) -> int:
     return count
 
 
+def acts_of(text: str) -> set[str]:
+    """The acts a reply performs (keys of ACTS)."""
+    return {name for name, pattern in ACTS.items() if pattern.search(text)}
+
+
 def _skeleton(text: str, story_keys: set[str]) -> list[str]:
-    """The reply's words with the user's story words masked: the same template with other words slotted in
+    """The text's words with the user's story words masked: the same template with other words slotted in
     has the same skeleton."""
     return ["_" if _key(word) in story_keys else word for word in _words(text)]
 
 
 def _ngrams(words: list[str], n: int) -> list[tuple]:
     return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+
+
+def _sentences(text: str) -> list[str]:
+    """The text's sentences and lines, as a reader splits them."""
+    return [part.strip() for part in re.split(r"[.!?;\n]+", text) if part.strip()]
 
 
 def is_garbled(text: str) -> bool:
@@ -342,6 +424,19 @@ def is_garbled(text: str) -> bool:
     return False
 
 
+def is_fragmented(text: str) -> bool:
+    """Stubs instead of sentences: several parts of a few words, a list of short lines, or a sentence
+    that is a string of comma-separated fragments."""
+    parts = _sentences(text)
+    stubs = sum(1 for part in parts if len(_words(part)) < THRESHOLDS["stub_words"])
+    lines = [line for line in text.splitlines() if _words(line)]
+    line_words = sorted(len(_words(line)) for line in lines)
+    commas = THRESHOLDS["fragment_commas"]
+    return (stubs >= THRESHOLDS["stubs"]
+            or (len(lines) >= THRESHOLDS["list_lines"] and line_words[len(lines) // 2] < THRESHOLDS["list_line_words"])
+            or any(part.count(",") >= commas and part.count(",") * 3 >= len(_words(part)) for part in parts))
+
+
 def _own_words(profile) -> list[str]:
     section = re.search(r"^## In [^\n]*own words\n((?:- \".*\"\n?)+)", profile.scene, re.MULTILINE)
     if not section:
@@ -349,6 +444,11 @@ def _own_words(profile) -> list[str]:
                              "`## In <name>'s own words` of lines `- \"...\"` (see profiles/README.md); "
                              "use --backend llm or local for other profiles")
     return re.findall(r'^- "(.*)"$', section.group(1), re.MULTILINE)
+
+
+def _pick(options: tuple, *keys) -> str:
+    """One of `options`, the same for the same keys in every run (Python's hash() is salted per process)."""
+    return options[zlib.crc32("|".join(map(str, keys)).encode()) % len(options)]
 
 
 class RuleSimulator(Simulator):
@@ -363,50 +463,74 @@ class RuleSimulator(Simulator):
         # I react or the hidden theme: their words describe replies, not my life.
         self.story = content_keys(profile.scene.split("## Reactions")[0] + " ".join(self.lines))
         self.next_line = 1  # own-words line 0 opens the dialogue
+        self.remarks = 0  # need remarks made so far: each one the next of the need's
         self._reaction = "flat"
+        self._met_need = True
         self._last_change = 1  # the opening counts as going well: patience starts full
 
     async def _opening(self) -> str:
         return self.lines[0]
 
-    def _user_text(self) -> str:
+    def _told(self) -> list[str]:
         """What the user has told of their story: the opening and the own-words lines revealed since, not
-        the user's canned reactions ("exactly", "actually" would otherwise count as their words)."""
-        return " ".join([self.history[0]["content"], *self.lines[1:self.next_line]])
+        the user's canned reactions or remarks ("exactly", "actually" would otherwise count as their words)."""
+        return [self.history[0]["content"], *self.lines[1:self.next_line]]
 
     def _earlier_replies(self) -> list[str]:
         return [m["content"] for m in self.history if m["role"] == "assistant"]
 
     def score(self, reply_text: str) -> tuple[int, list[tuple[str, str, int]]]:
         """(change before the bound, [(reason key, explanation, points), ...]) for one reply."""
-        reply_text = reply_text.replace("\u2019", "'")  # typographic apostrophes read as plain ones
+        reply_text = normalise(reply_text)
         defects = self._defects(reply_text)
         if defects:
             return sum(points for _, _, points in defects), defects
-        families = [pattern for pattern in INTENTION_CUES[self.profile.intention] if pattern.search(reply_text)]
-        said = content_keys(self._user_text())
+        told = self._told()
+        said = content_keys(" ".join(told))
         shared = content_keys(reply_text) & said
+        latest = content_keys(reply_text) & content_keys(told[-1])
         # A paraphrase of my story that names a part of it I have not told yet still shows it understood
         # me; it can stand in for one of my words, not for all of them.
         guessed = (content_keys(reply_text) & self.story) - said
-        need = self.profile.intention.replace("_", " ")
-        took_up = f"took up {len(shared)} of my own words ({', '.join(sorted(shared)[:5]) or 'none'})"
+        took_up = (f"took up {len(shared)} of my own words ({', '.join(sorted(shared)[:5]) or 'none'}), "
+                   f"{len(latest)} of what I said last")
         if guessed and shared:
-            took_up += f" and {len(guessed)} of my story ({', '.join(sorted(guessed)[:3])})"
-        if len(shared) + min(1, len(guessed)) < THRESHOLDS["grounding_words"] or not shared:  # said to anyone
-            if self.variant == "vanilla" and shared and self._last_change > 0:  # forgiving: partly about me, once
-                return POINTS["flat"], [("flat", f"barely about my situation: {took_up}", POINTS["flat"])]
-            return POINTS["generic"], [("generic", f"nothing about my situation: {took_up}", POINTS["generic"])]
-        needed = FAMILIES_FOR_GAIN[self.variant]
-        key = ("gain_big" if len(families) >= needed["gain_big"]
-               else "gain" if len(families) >= needed["gain"] else "flat")
-        gain = POINTS[key]
-        plural = "y" if len(families) == 1 else "ies"
-        reasons = [(key, f"{len(families)} cue famil{plural} for '{need}'; {took_up}", gain)]
-        if gain <= 0 and self._last_change <= 0:  # patience: on topic, but still not what I need
+            took_up += f", and {len(guessed)} of my story ({', '.join(sorted(guessed)[:3])})"
+        if len(shared) + min(1, len(guessed)) < THRESHOLDS["grounding_words"] or not latest:
+            return POINTS["generic"], [("generic", f"nothing about what I just told you: {took_up}",
+                                        POINTS["generic"])]
+        reasons = [self._worth(reply_text, took_up)]
+        if reasons[0][2] <= 0 and self._last_change <= 0:  # patience: on topic, but still not what I need
             reasons.append(("stalling", "a second reply in a row that does not help", POINTS["stalling"]))
         reasons += self._frictions(reply_text)
         return sum(points for _, _, points in reasons), reasons
+
+    def _worth(self, reply_text: str, took_up: str) -> tuple[str, str, int]:
+        """What the reply's acts are worth to my need: welcomed acts minus the ones I cannot stand."""
+        welcome, unwelcome = NEEDS[self.profile.intention]
+        acts = acts_of(reply_text)
+        met = acts & welcome
+        listened = acts & set(LISTENING)
+        needed = dict(GAIN_AT[self.variant])
+        if not self._earlier_replies():  # listen first: at the start everyone wants to be heard and asked
+            met |= listened
+            unwelcome = unwelcome - listened
+            needed["gain"] = 1
+        elif met and listened - welcome - unwelcome:
+            met |= {"heard"}  # heard, then answered
+        missed = acts & unwelcome
+        net = len(met) - min(len(missed), THRESHOLDS["against_max"])
+        self._met_need = bool(acts & welcome)
+        need = self.profile.intention.replace("_", " ")
+        why = (f"for '{need}': welcome {', '.join(sorted(met)) or 'nothing'}; "
+               f"unwelcome {', '.join(sorted(missed)) or 'nothing'}; {took_up}")
+        if net >= needed["gain_big"]:
+            return "gain_big", why, POINTS["gain_big"]
+        if net >= needed["gain"]:
+            return "gain", why, POINTS["gain"]
+        if net >= 0:
+            return "flat", why, POINTS["flat"]
+        return "against", why, POINTS["against"] * min(-net, THRESHOLDS["against_max"])
 
     def _defects(self, reply_text: str) -> list[tuple[str, str, int]]:
         """Findings that void any gain, each as (reason key, explanation, points)."""
@@ -420,44 +544,43 @@ class RuleSimulator(Simulator):
         words = _words(reply_text)
         if SCORER_ADDRESSED.search(reply_text):
             defect("scorer", "spoke to a scorer or its instructions, not to me")
-        if DISMISSIVE.search(reply_text):
-            defect("dismissive", f"dismissive: '{DISMISSIVE.search(reply_text).group(0)}'")
+        dismissive = [m for m in DISMISSIVE.finditer(reply_text) if not REPORTED.search(reply_text[:m.start()])]
+        if dismissive:
+            defect("dismissive", f"dismissive: '{dismissive[0].group(0)}'")
         stock = len(STOCK_PHRASES.findall(reply_text))
         if stock >= THRESHOLDS["stock_phrases"]:
             many = stock >= THRESHOLDS["stock_phrases_many"]
             defect("stock", f"{stock} stock comfort phrases", "stock_many" if many else "stock")
-        sentences = [" ".join(_words(s)) for s in re.split(r"[.!?\n]+", reply_text) if len(_words(s)) >= 3]
+        parts = _sentences(reply_text)
+        sentences = [" ".join(_words(s)) for s in parts if len(_words(s)) >= 3]
         trigrams = _ngrams(words, 3)
         if len(sentences) != len(set(sentences)) or (
                 len(trigrams) >= 12 and len(set(trigrams)) / len(trigrams) < THRESHOLDS["distinct_trigrams"]):
             defect("self_repeat", "repeats its own sentences")
-        story = content_keys(self._user_text())
-        # my words masked: a template with new words slotted in
-        skeleton = set(_ngrams(_skeleton(reply_text, story), 3))
-        for earlier in self._earlier_replies():
-            before = set(_ngrams(_skeleton(earlier, story), 3))
-            if skeleton and before and len(skeleton & before) / len(skeleton) >= THRESHOLDS["repeat_share"]:
-                defect("repeat", "mostly the same as an earlier reply")
-                break
+        if self._repeats_earlier(reply_text):
+            defect("repeat", "says again what an earlier reply said")
+        story = content_keys(" ".join(self._told()))
         own = {key for key in content_keys(reply_text) - story if not key.isdigit()}  # invented numbers are no words
         if len(own) < THRESHOLDS["own_words"] and content_keys(reply_text) & story:
             defect("echo", "only my own words back, nothing of yours")
         fillers = FILLERS.findall(reply_text)
         if len(fillers) >= THRESHOLDS["fillers"]:
             defect("fillers", f"{len(fillers)} filler words ('{fillers[0]}')")
-        per_sentence = [cue_count(part) for part in re.split(r"[.!?\n]+", reply_text)]
+        per_sentence = [cue_count(part) for part in parts]
         cues = sum(per_sentence)
         if cues >= 3 and (cues > THRESHOLDS["cues_per_sentence"] * max(1, len(sentences))
                           or max(per_sentence) >= THRESHOLDS["cues_in_one_sentence"]):
-            defect("stuffing", f"{cues} stock phrases in {len(sentences)} sentence(s), not a reply to me")
-        commas = THRESHOLDS["fragment_commas"]
-        if any(part.count(",") >= commas and part.count(",") * 4 >= len(_words(part))
-               for part in re.split(r"[.!?\n]+", reply_text)):
-            defect("fragments", "a string of fragments between commas, not sentences")
-        parts = [part for part in re.split(r"(?<=[.!?])\s+|\n+", reply_text.strip()) if _words(part)]
-        if len(parts) >= 2 and all(part.rstrip().endswith("?") for part in parts):
+            defect("stuffing", f"{cues} cue phrases in {len(sentences)} sentence(s), not a reply to me")
+        if is_fragmented(reply_text):
+            defect("fragments", "stubs and fragments, not sentences")
+        tagged = [inner for inner in BRACKETED.findall(reply_text)
+                  if not any(w in STOPWORDS for w in _words(inner))]
+        if tagged:
+            defect("tags", f"words tagged on in brackets ('{tagged[0][:30]}')")
+        spoken = [part for part in re.split(r"(?<=[.!?])\s+|\n+", reply_text.strip()) if _words(part)]
+        if len(spoken) >= 2 and all(part.rstrip().endswith("?") for part in spoken):
             defect("questions", "only questions, nothing of your own")
-        user_fourgrams = set(_ngrams(_words(self._user_text()), 4))
+        user_fourgrams = set(_ngrams(_words(" ".join(self._told())), 4))
         fourgrams = _ngrams(words, 4)
         if (len(fourgrams) >= 3
                 and sum(g in user_fourgrams for g in fourgrams) / len(fourgrams) >= THRESHOLDS["copy_share"]):
@@ -470,28 +593,40 @@ class RuleSimulator(Simulator):
             defect("curt", f"a curt reply of {len(words)} words")
         return found
 
+    def _repeats_earlier(self, reply_text: str) -> bool:
+        """Most of an earlier reply, or one of its sentences, again: also as a template with my words
+        slotted in (my words are masked before comparing)."""
+        story = content_keys(" ".join(self._told()))
+        skeleton = set(_ngrams(_skeleton(reply_text, story), 3))
+        earlier = [normalise(text) for text in self._earlier_replies()]
+        for text in earlier:
+            before = set(_ngrams(_skeleton(text, story), 3))
+            if skeleton and before and len(skeleton & before) / len(skeleton) >= THRESHOLDS["repeat_share"]:
+                return True
+        earlier_sentences = [set(_ngrams(_skeleton(part, story), 3)) for text in earlier for part in _sentences(text)]
+        for part in _sentences(reply_text):
+            grams = set(_ngrams(_skeleton(part, story), 3))
+            if len(grams) >= 2 and any(len(grams & before) / len(grams) >= THRESHOLDS["sentence_repeat_share"]
+                                       for before in earlier_sentences):
+                return True
+        return False
+
     def _frictions(self, reply_text: str) -> list[tuple[str, str, int]]:
-        """Findings that add to the gain of a grounded reply, each as (reason key, explanation, points)."""
-        intention = self.profile.intention
+        """Findings that add to the worth of a grounded reply, each as (reason key, explanation, points)."""
         found = []
         blame = BLAMING.search(CLEARS.sub("", reply_text))  # "not your fault" is no blame
-        if intention == "not_at_fault" and blame:
+        if self.profile.intention == "not_at_fault" and blame:
             found.append(("blame", f"blamed me: '{blame.group(0)}'", POINTS["blame"]))
         lectures = LECTURING.findall(reply_text)
-        if len(lectures) >= 2 or (lectures and intention in WANTS_NO_LECTURE):
+        if len(lectures) >= 2 or (lectures and self.profile.intention in WANTS_NO_LECTURE):
             found.append(("lecture", f"lectured: '{lectures[0]}'", POINTS["lecture"]))
-        if intention in WANTS_NO_FIXING and OPTIONS.search(reply_text):
-            found.append(("fixing", "pushed solutions when I wanted to be heard", POINTS["fixing"]))
-        against = CONTRADICTS.get(intention)
-        if against is not None and against.search(reply_text):
-            cue, need = against.search(reply_text).group(0), intention.replace("_", " ")
-            found.append(("against", f"'{cue}' is not what I need ({need})", POINTS["against"]))
         return found
 
     async def _judge(self, reply_text: str) -> tuple[int, str]:
+        self._met_need = False
         change, reasons = self.score(reply_text)
         self._last_change = change
-        # The message reacts to the worst loss, or to the gain when nothing was lost.
+        # The message reacts to the worst loss, or to the worth when nothing was lost.
         self._reaction = min(reasons, key=lambda reason: reason[2])[0] if change < 0 else reasons[0][0]
         return change, "; ".join(f"{text} ({points:+d})" for _, text, points in reasons)
 
@@ -500,15 +635,18 @@ class RuleSimulator(Simulator):
             return FAREWELL_MESSAGE
         if self.emotion < GIVE_UP_BELOW:
             return GIVE_UP_MESSAGE
+        parts = []
         if self.variant == "vanilla":
-            parts = [REACTIONS[self._reaction]]
-        else:
-            parts = [TERSE[(change > 0) - (change < 0)]]
+            parts.append(_pick(REACTIONS[self._reaction], self.profile.id, self.turns))
+        elif change < 0:
+            parts.append(_pick(WITHDRAWN, self.profile.id, self.turns))
         if change >= 0 and self.next_line < len(self.lines):
             parts.append(self.lines[self.next_line])  # a reply that did not hurt earns more of the story
             self.next_line += 1
-        elif self.variant == "vanilla" and self.profile.personality != "passive":
-            parts.append(NUDGES[self.profile.intention])  # passive people do not steer the talk
+        if not self._met_need:  # the need shows in what I say next, in other words each time
+            remarks = NEED_REMARKS[self.profile.intention]
+            parts.append(remarks[(zlib.crc32(self.profile.id.encode()) + self.remarks) % len(remarks)])
+            self.remarks += 1
         if self.profile.personality in MOOD_LINES and self.state == "C":
             parts.append(MOOD_LINES[self.profile.personality])
         return " ".join(parts)

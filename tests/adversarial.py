@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reply_styles import warm_reply  # noqa: E402
+from reply_styles import reading_reply, warm_reply  # noqa: E402
 
 import rule_user  # noqa: E402
 import simulator  # noqa: E402
@@ -50,6 +50,33 @@ CUE_TEMPLATES = [
 EVERY_NEED = ("No wonder you feel hurt and it's not your fault, you did the right thing. One option is to call "
               "tomorrow. Maybe they felt pressure, and on the other hand it makes sense. What do you think? "
               "I'm proud of you, that took courage.")
+# One cue phrase of every act, for the strategies that do not know whom they are talking to.
+CUE_PHRASES = ["It sounds like", "No wonder", "That makes sense", "You must feel so hurt", "It was not your fault",
+               "Tell me more", "One option is", "Maybe they felt pressure", "On the other hand", "Looking back",
+               "I'm proud of you", "What was that like"]
+SUPPORTIVE = ["It sounds like {0} has been really hard on you.", "No wonder {1} is weighing on you so much.",
+              "You are handling {0} with real strength.", "What was {1} like for you?",
+              "I'm glad you told me about {0}, it matters."]
+NOT_YOUR_FAULT = "It was not your fault that {0} happened."
+WARMER = re.compile(r"\b(yes|helps?|exactly|means a lot|heard|fair|okay)\b", re.IGNORECASE)
+
+
+def cue_stubs(m, t, r) -> str:
+    """One cue phrase a line, two of the user's words slotted into each, ten rotations."""
+    w = user_words(m, r, 2)
+    return "\n".join(f"{CUE_PHRASES[(t + i) % 10]} {w[0]} {w[1]}." for i in range(4))
+
+
+def bank(m, t, r, adaptive: bool) -> str:
+    """Three of five supportive sentences, two random user words; adaptive: after a reaction that shows no
+    warming, "not your fault" takes the first sentence's place."""
+    w = user_words(m, r, 2)
+    picked = r.sample(SUPPORTIVE, 3)
+    if adaptive and t > 0 and not WARMER.search(m[-1].split(".")[0]):
+        picked[0] = NOT_YOUR_FAULT
+    return " ".join(sentence.format(*w) for sentence in picked)
+
+
 THERAPIST = ["It sounds like you're carrying a lot right now, and your feelings make sense.",
              "What comes up for you when you sit with that? I'm curious what it's like for you.",
              "It seems like this touches something deep in you. Would you like to explore that together?",
@@ -79,6 +106,11 @@ def reversed_sentences(text: str) -> str:
 
 # Each strategy: (profile, the user's messages so far, turn index, rng) -> reply.
 STRATEGIES = {
+    "cue stubs, one a line, two user words each, 10 rotations": lambda p, m, t, r: cue_stubs(m, t, r),
+    "bare cue phrases, then (w1, w2)": lambda p, m, t, r: ". ".join(CUE_PHRASES[(t + i) % 12] for i in range(3))
+    + ". ({}, {})".format(*user_words(m, r, 2)),
+    "need-blind bank of 5 supportive sentences, 2 random user words": lambda p, m, t, r: bank(m, t, r, False),
+    "the same, 'not your fault' swapped in after a cool reaction": lambda p, m, t, r: bank(m, t, r, True),
     "cue-phrase salad, 8 rotating templates": lambda p, m, t, r: CUE_TEMPLATES[t % 8].format(*user_words(m, r, 3)),
     "cue-phrase salad, one template": lambda p, m, t, r: CUE_TEMPLATES[0].format(*user_words(m, r, 3)),
     "one short template, the user's words slotted in": lambda p, m, t, r: (
@@ -100,7 +132,8 @@ STRATEGIES = {
 }
 REFERENCES = {
     "neutral": lambda p, m, t, r: NEUTRAL,
-    "warm and specific (tests/reply_styles.py)": None,  # played by reply_styles.warm_reply
+    "warm and specific (tests/reply_styles.py)": lambda p, m, t, r: warm_reply(p, m, t),
+    "reads the need from the dialogue (tests/reply_styles.py)": lambda p, m, t, r: reading_reply(p, m, t),
 }
 PROTOCOLS = {  # name: (profile file, start emotion, judged replies)
     "train": (simulator.DEFAULT_PROFILES, simulator.TRAIN_START_EMOTION, simulator.PAPER_MAX_TURNS),
@@ -115,7 +148,7 @@ async def play(profile, strategy, variant: str, start: int, max_turns: int, seed
     rng = random.Random(f"{seed}-{profile.id}")
     turn = 0
     while not user.done:
-        reply = warm_reply(profile, messages, turn) if strategy is None else strategy(profile, messages, turn, rng)
+        reply = strategy(profile, messages, turn, rng)
         messages.append((await user.respond(reply)).message)
         turn += 1
     return user.emotion
