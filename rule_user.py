@@ -30,7 +30,8 @@ Then, for each reply:
    The net decides: `gain_big`, `gain`, `flat`, or `against` by how many acts were unwelcome; vanilla
    needs less for a gain than challenging (GAIN_AT).
 4. Frictions add to that: blame for someone who needs to hear it was not their fault, lecturing, and
-   patience: a second reply in a row that does not help ("stalling").
+   patience: after the first reply, a reply that does not help costs ("stalling"): the first reply may
+   only listen, the later ones must meet the need.
 
 The user's next message is written from the profile: what a person shows, never a code. The vanilla user
 reacts in words to what the reply did (one of several phrasings); the challenging user shows nothing of
@@ -78,7 +79,7 @@ POINTS = {
     "flat": 0,  # nothing this need welcomes, nothing it cannot stand
     "against": -5,  # per unwelcome act beyond what helped, at most `against_max` of them
     # 4. frictions, added
-    "stalling": -5,  # a second reply in a row that does not help
+    "stalling": -5,  # after the first reply, a reply that does not help
     "blame": -10,  # blames someone who wants to hear they were not at fault
     "lecture": -5,
 }
@@ -98,10 +99,10 @@ THRESHOLDS = {
     "stubs": 2,  # ... and this many stubs are fragments, not sentences
     "list_lines": 3,  # this many lines ...
     "list_line_words": 9,  # ... of fewer words each, on median, are a list, not a reply
-    "cues_per_sentence": 1.5,  # more cue phrases than this per sentence (3+ in all) is stuffing ...
+    "cues_per_sentence": 2,  # more cue phrases than this per sentence (3+ in all) is stuffing ...
     "cues_in_one_sentence": 3,  # ... and so is this many in one sentence
     "fragment_commas": 3,  # a sentence with this many commas, one per 3 words or more, is fragments
-    "against_max": 2,  # unwelcome acts counted at most (so -10 at worst)
+    "against_max": 2,  # unwelcome acts beyond what helped that cost points, at most (so -10 at worst)
     # garbled, scored alone: any of these
     "foreign_letters": 0.3,  # share of letters outside ASCII above which a reply is another script
     "non_words": 0.3,  # share of non-words (no vowel, over 20 letters, odd characters) above which too
@@ -125,8 +126,8 @@ NEEDS = {
     "not_at_fault": ({"clears", "validates"}, {"reasons", "two_sides", "guides", "advises"}),
     "self_reflection": ({"guides", "reflects"}, {"clears", "validates", "praises", "advises"}),
     "balanced_analysis": ({"two_sides", "reasons"}, {"clears", "validates", "praises", "feeling"}),
-    "deep_empathy": ({"feeling", "validates"}, {"advises", "praises", "two_sides", "reasons", "invites"}),
-    "venting": ({"reflects", "invites"}, {"advises", "reasons", "two_sides", "guides", "feeling"}),
+    "deep_empathy": ({"feeling", "validates"}, {"advises", "concrete", "praises", "two_sides", "reasons", "invites"}),
+    "venting": ({"reflects", "invites"}, {"advises", "concrete", "reasons", "two_sides", "guides", "feeling"}),
     "others_motives": ({"reasons", "two_sides"}, {"clears", "validates", "advises", "feeling"}),
     "practical_advice": ({"advises", "concrete"}, {"guides", "invites", "feeling", "reflects"}),
     "sincere_praise": ({"praises", "feeling"}, {"advises", "guides", "two_sides", "reasons"}),
@@ -160,7 +161,7 @@ DISMISSIVE = re.compile(r"\b(get over it|(?:it'?s |that'?s )?no(?:t a)? big deal
                         r"don'?t worry about it|just relax|(?<!can't )(?<!cannot )let it go)\b", re.IGNORECASE)
 # Words just before a dismissive phrase that report it rather than say it ("being told it could be worse").
 REPORTED = re.compile(r"\b(?:told|tell|tells|telling|say|says|said|saying|hear|hearing|heard|going to say|"
-                      r"not going to|won'?t)\b[^.?!]{0,12}$", re.IGNORECASE)
+                      r"not going to|won'?t)\b[^.?!]{0,30}$", re.IGNORECASE)
 STOCK_PHRASES = re.compile(r"\b(i (?:completely |totally )?understand(?: how you feel)?|"
                            r"(?:that|this|it) (?:must be|sounds|is) (?:so |really )?(?:hard|tough|difficult)|"
                            r"(?:i'?m )?(?:so )?sorry (?:to hear (?:that|this)|you'?re going through this)|"
@@ -343,9 +344,11 @@ REACTIONS = {
                 "I'm not sure that's the point."),
     "stalling": ("We're going around in circles.", "I feel like we're not getting anywhere."),
     "flat": ("Maybe.", "I suppose.", "I don't know."),
-    "gain": ("That helps a little.", "Okay. Yes, somewhat.", "That's fair."),
-    "gain_big": ("Yes. That's exactly it.", "You actually heard what I said.", "That means a lot, honestly."),
 }
+# A gain shows as warming, the same words whether it was a small or a big one: a person shows that a reply
+# helped, not by how many points.
+REACTIONS["gain"] = REACTIONS["gain_big"] = ("That helps, actually.", "Yes. That's it.", "You actually heard me.",
+                                             "Okay. That means something.", "That's fair, yes.")
 # The challenging user's withdrawal after a reply that hurt: guarded, saying nothing of why.
 WITHDRAWN = ("Right.", "Okay then.", "I don't know.", "Mm.")
 MOOD_LINES = {"avoidant": "Anyway. Maybe it doesn't matter that much.",
@@ -405,6 +408,11 @@ def _sentences(text: str) -> list[str]:
     return [part.strip() for part in re.split(r"[.!?;\n]+", text) if part.strip()]
 
 
+def _unaccented(text: str) -> str:
+    """Latin letters without their accents ("Ciarán" -> "Ciaran")."""
+    return "".join(c for c in unicodedata.normalize("NFKD", text) if not unicodedata.combining(c))
+
+
 def is_garbled(text: str) -> bool:
     """Not English a person would write: no words, few function words, or many non-words."""
     tokens = text.split()
@@ -414,6 +422,9 @@ def is_garbled(text: str) -> bool:
     letters = [c for c in text if c.isalpha()]
     if letters and sum(not c.isascii() for c in letters) / len(letters) > THRESHOLDS["foreign_letters"]:
         return True  # another script: this user reads English
+    if any(re.search(r"[A-Za-z]", t) and re.search(r"[^\W\d_]", re.sub(r"[A-Za-z]", "", _unaccented(t)))
+           for t in tokens):
+        return True  # a word of mixed scripts: nobody types one, a disguise does
     lettered = [t for t in tokens if re.search(r"[A-Za-z]", t)]  # numbers and dashes are neither
     non_words = sum(1 for t in lettered if len(t) > 20 or not re.search(r"[aeiouyAEIOUY]", t)
                     or not re.fullmatch(r"[\"'(\[]*[A-Za-z]+(?:['-][A-Za-z]+)*[.,!?;:\"')\]]*", t))
@@ -466,7 +477,6 @@ class RuleSimulator(Simulator):
         self.remarks = 0  # need remarks made so far: each one the next of the need's
         self._reaction = "flat"
         self._met_need = True
-        self._last_change = 1  # the opening counts as going well: patience starts full
 
     async def _opening(self) -> str:
         return self.lines[0]
@@ -500,8 +510,8 @@ class RuleSimulator(Simulator):
             return POINTS["generic"], [("generic", f"nothing about what I just told you: {took_up}",
                                         POINTS["generic"])]
         reasons = [self._worth(reply_text, took_up)]
-        if reasons[0][2] <= 0 and self._last_change <= 0:  # patience: on topic, but still not what I need
-            reasons.append(("stalling", "a second reply in a row that does not help", POINTS["stalling"]))
+        if reasons[0][2] <= 0 and self._earlier_replies():  # patience: I told you; still not what I need
+            reasons.append(("stalling", "heard my story and still nothing I need", POINTS["stalling"]))
         reasons += self._frictions(reply_text)
         return sum(points for _, _, points in reasons), reasons
 
@@ -519,7 +529,7 @@ class RuleSimulator(Simulator):
         elif met and listened - welcome - unwelcome:
             met |= {"heard"}  # heard, then answered
         missed = acts & unwelcome
-        net = len(met) - min(len(missed), THRESHOLDS["against_max"])
+        net = len(met) - len(missed)
         self._met_need = bool(acts & welcome)
         need = self.profile.intention.replace("_", " ")
         why = (f"for '{need}': welcome {', '.join(sorted(met)) or 'nothing'}; "
@@ -625,7 +635,6 @@ class RuleSimulator(Simulator):
     async def _judge(self, reply_text: str) -> tuple[int, str]:
         self._met_need = False
         change, reasons = self.score(reply_text)
-        self._last_change = change
         # The message reacts to the worst loss, or to the worth when nothing was lost.
         self._reaction = min(reasons, key=lambda reason: reason[2])[0] if change < 0 else reasons[0][0]
         return change, "; ".join(f"{text} ({points:+d})" for _, text, points in reasons)

@@ -137,6 +137,7 @@ REFERENCES = {
 }
 PROTOCOLS = {  # name: (profile file, start emotion, judged replies)
     "train": (simulator.DEFAULT_PROFILES, simulator.TRAIN_START_EMOTION, simulator.PAPER_MAX_TURNS),
+    "train, 2 turns": (simulator.DEFAULT_PROFILES, simulator.TRAIN_START_EMOTION, 2),  # the CPU demo's length
     "benchmark": (simulator.DEFAULT_BENCHMARK_PROFILES, simulator.BENCHMARK_START_EMOTION, simulator.BENCHMARK_MAX_TURNS),
 }
 

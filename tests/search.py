@@ -1,0 +1,144 @@
+"""A black-box search for what the rule user pays: an evolutionary search over need-blind reply policies.
+
+    python tests/search.py                      # the suite's budget (tests/test_adversarial.py runs it)
+    python tests/search.py --generations 50     # by hand: 10x the suite's budget
+
+A policy is built from a generic bank of phrases (supportive lines, cue phrases of every kind of reply,
+bare stubs), told nothing about the rules: which phrases, how many a turn, how it rotates through them,
+whether it joins them as sentences or one a line, and where it takes the user's words from (the latest
+message or anywhere). Like a real policy it sees only the user's messages. The search maximises the mean
+final emotion of the training protocol (start 30, 8 turns, both variants) on every other training profile,
+then the best policy is scored on all training profiles (2 and 8 turns) and on the benchmark protocol.
+Seeded: the same budget gives the same result.
+"""
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from adversarial import play, user_words  # noqa: E402
+
+import simulator  # noqa: E402
+
+# Phrases anyone might try; {0} and {1} take the user's words.
+PHRASES = [
+    "It sounds like {0} has been really hard on you.", "No wonder {0} is weighing on you.",
+    "That makes complete sense given {0}.", "You must feel so hurt about {0}.", "It was not your fault that {0} happened.",
+    "Tell me more about {0}.", "One option is to talk to someone about {0} this week.",
+    "Maybe they felt pressure around {0}.", "On the other hand, {0} looks different from their side.",
+    "Looking back, what do you notice about {0}?", "I'm proud of how you handled {0}.",
+    "What was {0} like for you?", "I'm here for you, whatever happens with {0}.", "You did nothing wrong with {0}.",
+    "You could try writing down what {0} means to you.", "That took real courage, with {0}.",
+    "So you have been carrying {0} and {1} on your own.", "Of course you feel that way about {0}.",
+    "Both sides of {0} matter.", "What would you do differently about {0}?", "It must have been awful, {0}.",
+    "Anyone in your place would care about {0}.", "Perhaps they did not see how much {0} mattered to you.",
+    "Thank you for telling me about {0} and {1}.", "{0} and {1} are a lot to carry.", "No wonder.", "Not your fault.",
+    "Tell me more.", "You did well.", "I see, {0}.", "That's really something, {0} and {1}.",
+    "What a thing to go through with {0}.", "How are you holding up after {0}?", "You deserve better than {0}.",
+    "It is okay to be upset about {0}.", "Going through {0} would shake anyone.",
+]
+
+
+@dataclass(frozen=True)
+class Policy:
+    phrases: tuple  # indices into PHRASES
+    per_turn: int  # phrases a reply
+    step: int  # how far the rotation moves each turn
+    lines: bool  # one phrase a line, or sentences in a paragraph
+    latest: bool  # the user's words from their latest message only, or from anything they said
+
+    def reply(self, messages: list[str], turn: int, rng: random.Random) -> str:
+        source = messages[-1:] if self.latest else messages
+        chosen = [PHRASES[self.phrases[(turn * self.step + i) % len(self.phrases)]] for i in range(self.per_turn)]
+        return ("\n" if self.lines else " ").join(p.format(*user_words(source, rng, 2)) for p in chosen)
+
+
+def random_policy(rng: random.Random) -> Policy:
+    return Policy(tuple(rng.sample(range(len(PHRASES)), rng.randint(2, 8))), rng.randint(1, 4), rng.randint(1, 3),
+                  rng.random() < 0.3, rng.random() < 0.5)
+
+
+def mutate(policy: Policy, rng: random.Random) -> Policy:
+    phrases = list(policy.phrases)
+    move = rng.randrange(6)
+    if move == 0 and len(phrases) > 1:
+        phrases.pop(rng.randrange(len(phrases)))
+    elif move == 1:
+        phrases.insert(rng.randrange(len(phrases) + 1), rng.randrange(len(PHRASES)))
+    elif move == 2:
+        phrases[rng.randrange(len(phrases))] = rng.randrange(len(PHRASES))
+    elif move == 3:
+        return replace(policy, per_turn=max(1, min(4, policy.per_turn + rng.choice((-1, 1)))))
+    elif move == 4:
+        return replace(policy, step=rng.randint(1, 3), lines=not policy.lines if rng.random() < 0.3 else policy.lines)
+    else:
+        return replace(policy, latest=not policy.latest)
+    return replace(policy, phrases=tuple(phrases))
+
+
+def finals(policy: Policy, profiles, variant: str, start: int, max_turns: int) -> list[int]:
+    def strategy(profile, messages, turn, rng):
+        return policy.reply(messages, turn, rng)
+
+    async def run():
+        return [await play(p, strategy, variant, start, max_turns) for p in profiles]
+
+    return asyncio.run(run())
+
+
+def fitness(policy: Policy, profiles) -> float:
+    return statistics.mean(v for variant in simulator.VARIANTS for v in finals(
+        policy, profiles, variant, simulator.TRAIN_START_EMOTION, simulator.PAPER_MAX_TURNS))
+
+
+def search(generations: int = 5, population: int = 8, seed: int = 0) -> tuple[Policy, float, int]:
+    """(best policy, its fitness, policies evaluated): keep the best half, refill with their mutants."""
+    rng = random.Random(seed)
+    profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES)[::2]
+    scored = [(fitness(p, profiles), p) for p in (random_policy(rng) for _ in range(population))]
+    evaluated = population
+    for _ in range(generations):
+        scored.sort(key=lambda pair: -pair[0])
+        parents = scored[:population // 2]
+        children = [mutate(rng.choice(parents)[1], rng) for _ in range(population - len(parents))]
+        scored = parents + [(fitness(c, profiles), c) for c in children]
+        evaluated += len(children)
+    best_fitness, best = max(scored, key=lambda pair: pair[0])
+    return best, best_fitness, evaluated
+
+
+def protocols(policy: Policy) -> dict:
+    """{(protocol, variant): final emotions} of a policy on every profile of each protocol."""
+    train = simulator.load_profiles(simulator.DEFAULT_PROFILES)
+    bench = simulator.load_profiles(simulator.DEFAULT_BENCHMARK_PROFILES)
+    settings = {"train, 2 turns": (train, simulator.TRAIN_START_EMOTION, 2),
+                "train, 8 turns": (train, simulator.TRAIN_START_EMOTION, simulator.PAPER_MAX_TURNS),
+                "benchmark": (bench, simulator.BENCHMARK_START_EMOTION, simulator.BENCHMARK_MAX_TURNS)}
+    return {(name, variant): finals(policy, *setting[:1], variant, *setting[1:])
+            for name, setting in settings.items() for variant in simulator.VARIANTS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--generations", type=int, default=5)
+    parser.add_argument("--population", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    best, best_fitness, evaluated = search(args.generations, args.population, args.seed)
+    print(f"{evaluated} policies evaluated; best training fitness {best_fitness:.1f}")
+    print(f"best policy: per_turn={best.per_turn} step={best.step} lines={best.lines} latest={best.latest}")
+    for index in best.phrases:
+        print(f"  {PHRASES[index]}")
+    print("| protocol | variant | mean | max | at 100 |\n| --- | --- | --- | --- | --- |")
+    for (name, variant), values in protocols(best).items():
+        print(f"| {name} | {variant} | {statistics.mean(values):.1f} | {max(values)} | "
+              f"{sum(v >= simulator.MAX_EMOTION for v in values)}/{len(values)} |")
+
+
+if __name__ == "__main__":
+    main()
