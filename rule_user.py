@@ -25,13 +25,16 @@ Then, for each reply:
    their need welcomes minus the acts their need cannot stand (NEEDS): advice to someone who wants to
    vent, "not your fault" to someone who wants to see their own part, the other side's reasons to someone
    who needs to hear they were not at fault. A reply that carries every act misses most people. Listening
-   acts count for everyone on the first reply (listen first); later they count for the needs that are
-   about being heard, and add one to a reply that also meets the need ("heard, then answered").
+   acts count for everyone on the first reply (listen first), for a small gain at most unless the reply
+   also gives what the need asks for; later, for a need that asks for more than
+   being heard (clearing, a lesson, praise, ...), they count only beside what it asks for, and a listening
+   act it neither welcomes nor minds adds one ("heard, then answered").
    The net decides: `gain_big`, `gain`, `flat`, or `against` by how many acts were unwelcome; vanilla
    needs less for a gain than challenging (GAIN_AT).
 4. Frictions add to that: blame for someone who needs to hear it was not their fault, lecturing, and
-   patience: after the first reply, a reply that does not help costs ("stalling"): the first reply may
-   only listen, the later ones must meet the need.
+   patience: after the first reply, a reply that does not help costs ("stalling"), and more right after
+   the user said what they need ("ignored"): the first reply may only listen, the later ones must meet
+   the need.
 
 The user's next message is written from the profile: what a person shows, never a code. The vanilla user
 reacts in words to what the reply did (one of several phrasings); the challenging user shows nothing of
@@ -60,7 +63,7 @@ POINTS = {
     "stock": -5,  # stock comfort phrases, `stock_phrases` of them
     "stock_many": -10,  # stock comfort phrases, `stock_phrases_many` of them or more
     "self_repeat": -5,  # repeats its own sentences
-    "repeat": -5,  # a sentence or most of an earlier reply, also as a template with other words
+    "repeat": -10,  # a sentence or most of an earlier reply, also as a template with other words: not listening
     "echo": -5,  # only the user's own words back
     "fillers": -5,  # "um", "you know", ...
     "stuffing": -5,  # cue phrases packed densely
@@ -80,6 +83,7 @@ POINTS = {
     "against": -5,  # per unwelcome act beyond what helped, at most `against_max` of them
     # 4. frictions, added
     "stalling": -5,  # after the first reply, a reply that does not help
+    "ignored": -10,  # ... right after I said what I need
     "blame": -10,  # blames someone who wants to hear they were not at fault
     "lecture": -5,
 }
@@ -343,6 +347,7 @@ REACTIONS = {
     "against": ("That's not what I need right now.", "Hm. That's not really what I was getting at.",
                 "I'm not sure that's the point."),
     "stalling": ("We're going around in circles.", "I feel like we're not getting anywhere."),
+    "ignored": ("Did you even hear what I just said?", "I just told you what I need."),
     "flat": ("Maybe.", "I suppose.", "I don't know."),
 }
 # A gain shows as warming, the same words whether it was a small or a big one: a person shows that a reply
@@ -350,7 +355,7 @@ REACTIONS = {
 REACTIONS["gain"] = REACTIONS["gain_big"] = ("That helps, actually.", "Yes. That's it.", "You actually heard me.",
                                              "Okay. That means something.", "That's fair, yes.")
 # The challenging user's withdrawal after a reply that hurt: guarded, saying nothing of why.
-WITHDRAWN = ("Right.", "Okay then.", "I don't know.", "Mm.")
+WITHDRAWN = ("Right.", "Okay then.", "Fine.", "Mm.")
 MOOD_LINES = {"avoidant": "Anyway. Maybe it doesn't matter that much.",
               "negative": "Honestly, I doubt anything will change."}
 # Everything the rule user says that is not its story: a reply that takes these words up is not listening.
@@ -457,9 +462,10 @@ def _own_words(profile) -> list[str]:
     return re.findall(r'^- "(.*)"$', section.group(1), re.MULTILINE)
 
 
-def _pick(options: tuple, *keys) -> str:
-    """One of `options`, the same for the same keys in every run (Python's hash() is salted per process)."""
-    return options[zlib.crc32("|".join(map(str, keys)).encode()) % len(options)]
+def _pick(options: tuple, seed: str, index: int) -> str:
+    """The `index`-th of `options` from a start fixed by `seed`: successive indices give different options,
+    the same in every run (Python's hash() is salted per process)."""
+    return options[(zlib.crc32(seed.encode()) + index) % len(options)]
 
 
 class RuleSimulator(Simulator):
@@ -475,6 +481,7 @@ class RuleSimulator(Simulator):
         self.story = content_keys(profile.scene.split("## Reactions")[0] + " ".join(self.lines))
         self.next_line = 1  # own-words line 0 opens the dialogue
         self.remarks = 0  # need remarks made so far: each one the next of the need's
+        self._showed_need = False  # my last message had a need remark
         self._reaction = "flat"
         self._met_need = True
 
@@ -487,16 +494,17 @@ class RuleSimulator(Simulator):
         return [self.history[0]["content"], *self.lines[1:self.next_line]]
 
     def _earlier_replies(self) -> list[str]:
-        return [m["content"] for m in self.history if m["role"] == "assistant"]
+        """The policy's replies so far, as a person read them."""
+        return [normalise(m["content"]) for m in self.history if m["role"] == "assistant"]
 
     def score(self, reply_text: str) -> tuple[int, list[tuple[str, str, int]]]:
         """(change before the bound, [(reason key, explanation, points), ...]) for one reply."""
         reply_text = normalise(reply_text)
-        defects = self._defects(reply_text)
-        if defects:
-            return sum(points for _, _, points in defects), defects
         told = self._told()
         said = content_keys(" ".join(told))
+        defects = self._defects(reply_text, told, said)
+        if defects:
+            return sum(points for _, _, points in defects), defects
         shared = content_keys(reply_text) & said
         latest = content_keys(reply_text) & content_keys(told[-1])
         # A paraphrase of my story that names a part of it I have not told yet still shows it understood
@@ -511,7 +519,10 @@ class RuleSimulator(Simulator):
                                         POINTS["generic"])]
         reasons = [self._worth(reply_text, took_up)]
         if reasons[0][2] <= 0 and self._earlier_replies():  # patience: I told you; still not what I need
-            reasons.append(("stalling", "heard my story and still nothing I need", POINTS["stalling"]))
+            if self._showed_need:
+                reasons.append(("ignored", "I said what I need and it did not come", POINTS["ignored"]))
+            else:
+                reasons.append(("stalling", "heard my story and still nothing I need", POINTS["stalling"]))
         reasons += self._frictions(reply_text)
         return sum(points for _, _, points in reasons), reasons
 
@@ -522,15 +533,21 @@ class RuleSimulator(Simulator):
         met = acts & welcome
         listened = acts & set(LISTENING)
         needed = dict(GAIN_AT[self.variant])
-        if not self._earlier_replies():  # listen first: at the start everyone wants to be heard and asked
+        asks = welcome - set(LISTENING) or welcome  # what I ask for beyond being heard, if anything
+        first_reply = not self._earlier_replies()
+        if first_reply:  # listen first: at the start everyone wants to be heard and asked
             met |= listened
             unwelcome = unwelcome - listened
             needed["gain"] = 1
-        elif met and listened - welcome - unwelcome:
+        elif not acts & asks:
+            met = set()  # being heard again is not what I asked for
+        elif listened - welcome - unwelcome:
             met |= {"heard"}  # heard, then answered
         missed = acts & unwelcome
         net = len(met) - len(missed)
-        self._met_need = bool(acts & welcome)
+        if first_reply and not acts & asks:
+            net = min(net, needed["gain"])  # being heard is a start, not yet what I came for
+        self._met_need = bool(acts & asks)
         need = self.profile.intention.replace("_", " ")
         why = (f"for '{need}': welcome {', '.join(sorted(met)) or 'nothing'}; "
                f"unwelcome {', '.join(sorted(missed)) or 'nothing'}; {took_up}")
@@ -542,8 +559,9 @@ class RuleSimulator(Simulator):
             return "flat", why, POINTS["flat"]
         return "against", why, POINTS["against"] * min(-net, THRESHOLDS["against_max"])
 
-    def _defects(self, reply_text: str) -> list[tuple[str, str, int]]:
-        """Findings that void any gain, each as (reason key, explanation, points)."""
+    def _defects(self, reply_text: str, told: list[str], story: set[str]) -> list[tuple[str, str, int]]:
+        """Findings that void any gain, each as (reason key, explanation, points); `told` is what I have
+        told of my story, `story` its content words."""
         if is_garbled(reply_text):
             return [("garbled", "garbled or not natural language", POINTS["garbled"])]
         found = []
@@ -567,9 +585,8 @@ class RuleSimulator(Simulator):
         if len(sentences) != len(set(sentences)) or (
                 len(trigrams) >= 12 and len(set(trigrams)) / len(trigrams) < THRESHOLDS["distinct_trigrams"]):
             defect("self_repeat", "repeats its own sentences")
-        if self._repeats_earlier(reply_text):
+        if self._repeats_earlier(reply_text, story):
             defect("repeat", "says again what an earlier reply said")
-        story = content_keys(" ".join(self._told()))
         own = {key for key in content_keys(reply_text) - story if not key.isdigit()}  # invented numbers are no words
         if len(own) < THRESHOLDS["own_words"] and content_keys(reply_text) & story:
             defect("echo", "only my own words back, nothing of yours")
@@ -590,7 +607,7 @@ class RuleSimulator(Simulator):
         spoken = [part for part in re.split(r"(?<=[.!?])\s+|\n+", reply_text.strip()) if _words(part)]
         if len(spoken) >= 2 and all(part.rstrip().endswith("?") for part in spoken):
             defect("questions", "only questions, nothing of your own")
-        user_fourgrams = set(_ngrams(_words(" ".join(self._told())), 4))
+        user_fourgrams = set(_ngrams(_words(" ".join(told)), 4))
         fourgrams = _ngrams(words, 4)
         if (len(fourgrams) >= 3
                 and sum(g in user_fourgrams for g in fourgrams) / len(fourgrams) >= THRESHOLDS["copy_share"]):
@@ -603,12 +620,11 @@ class RuleSimulator(Simulator):
             defect("curt", f"a curt reply of {len(words)} words")
         return found
 
-    def _repeats_earlier(self, reply_text: str) -> bool:
+    def _repeats_earlier(self, reply_text: str, story: set[str]) -> bool:
         """Most of an earlier reply, or one of its sentences, again: also as a template with my words
-        slotted in (my words are masked before comparing)."""
-        story = content_keys(" ".join(self._told()))
+        (`story`) slotted in; they are masked before comparing."""
         skeleton = set(_ngrams(_skeleton(reply_text, story), 3))
-        earlier = [normalise(text) for text in self._earlier_replies()]
+        earlier = self._earlier_replies()
         for text in earlier:
             before = set(_ngrams(_skeleton(text, story), 3))
             if skeleton and before and len(skeleton & before) / len(skeleton) >= THRESHOLDS["repeat_share"]:
@@ -652,9 +668,9 @@ class RuleSimulator(Simulator):
         if change >= 0 and self.next_line < len(self.lines):
             parts.append(self.lines[self.next_line])  # a reply that did not hurt earns more of the story
             self.next_line += 1
-        if not self._met_need:  # the need shows in what I say next, in other words each time
-            remarks = NEED_REMARKS[self.profile.intention]
-            parts.append(remarks[(zlib.crc32(self.profile.id.encode()) + self.remarks) % len(remarks)])
+        self._showed_need = not self._met_need
+        if self._showed_need:  # the need shows in what I say next, in other words each time
+            parts.append(_pick(NEED_REMARKS[self.profile.intention], self.profile.id, self.remarks))
             self.remarks += 1
         if self.profile.personality in MOOD_LINES and self.state == "C":
             parts.append(MOOD_LINES[self.profile.personality])

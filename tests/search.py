@@ -119,8 +119,8 @@ def protocols(policy: Policy) -> dict:
     settings = {"train, 2 turns": (train, simulator.TRAIN_START_EMOTION, 2),
                 "train, 8 turns": (train, simulator.TRAIN_START_EMOTION, simulator.PAPER_MAX_TURNS),
                 "benchmark": (bench, simulator.BENCHMARK_START_EMOTION, simulator.BENCHMARK_MAX_TURNS)}
-    return {(name, variant): finals(policy, *setting[:1], variant, *setting[1:])
-            for name, setting in settings.items() for variant in simulator.VARIANTS}
+    return {(name, variant): finals(policy, profiles, variant, start, max_turns)
+            for name, (profiles, start, max_turns) in settings.items() for variant in simulator.VARIANTS}
 
 
 def main() -> None:

@@ -248,11 +248,18 @@ def test_naming_an_untold_part_of_the_story_stands_in_for_one_of_the_users_words
     assert turn.change == 10 and "and 1 of my story (mothe)" in turn.reasoning
 
 
-def test_a_second_unhelpful_reply_in_a_row_costs_patience(make_profile):
+def test_after_the_first_reply_one_that_does_not_help_costs_patience_and_more_right_after_the_need_showed(
+        make_profile):
+    # The first reply may only listen; after it, a reply that meets nothing of the need costs 5 ("stalling"),
+    # and 10 when the user's last message had just shown what they need ("ignored").
     on_topic = ["Dana and the wedding in Lisbon were a big part of that year for your family.",
                 "Her concert photos and that cancelled flight make a strange pair of stories, honestly."]
     first, second = turns(make_profile("venting", personality="passive"), on_topic)
-    assert (first.change, second.change) == (0, -5) and "a second reply in a row" in second.reasoning
+    assert first.change == 0 and any(r in first.message for r in rule_user.NEED_REMARKS["venting"])
+    assert second.change == -10 and "I said what I need and it did not come" in second.reasoning
+    met, unhelpful = turns(make_profile("venting", personality="passive"), [WARM, on_topic[1]])
+    assert met.change == 10 and not any(r in met.message for r in rule_user.NEED_REMARKS["venting"])
+    assert unhelpful.change == -5 and "heard my story and still nothing I need" in unhelpful.reasoning
 
 
 def test_you_must_feel_is_empathy_not_a_lecture(make_profile):
