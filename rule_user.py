@@ -118,20 +118,24 @@ GAIN_AT = {"vanilla": {"gain": 1, "gain_big": 2}, "challenging": {"gain": 2, "ga
 LISTENING = ("feeling", "validates", "reflects", "invites")
 # Each hidden need: (acts it welcomes, acts it cannot stand). Every act is unwelcome to some needs, so no
 # act is safe for a reply that does not know whom it is talking to. Why each "cannot stand":
-# not_at_fault: the other side's reasons, both sides, "your part" or a plan all say "you share the blame";
+# not_at_fault: the other side's reasons, both sides, "your part" or a plan all say "you share the blame",
+#   and my story said back to me is no answer to "was I wrong?";
 # self_reflection: clearing, validating or praising closes the question they want opened, advice skips it;
 # balanced_analysis: one-sided clearing, validation or praise is the opposite of a balanced view;
-# deep_empathy: advice, praise, both sides and the other's reasons are the "simple comfort" they refuse;
-# venting: advice, analysis of the other side and a lesson stop the venting;
+# deep_empathy: advice, praise, "not your fault", both sides and the other's reasons are the "simple comfort"
+#   they refuse, and questions are an interview, not understanding;
+# venting: advice, a verdict on who is to blame, analysis of the other side and a lesson stop the venting,
+#   and being told what they feel puts words in their mouth;
 # others_motives: clearing, validating their anger and advice answer a question they did not ask;
 # practical_advice: questions back, guided reflection and dwelling on feelings delay the help they asked for;
 # sincere_praise: advice, a lesson, both sides and the other's reasons turn praise into criticism.
 NEEDS = {
-    "not_at_fault": ({"clears", "validates"}, {"reasons", "two_sides", "guides", "advises"}),
+    "not_at_fault": ({"clears", "validates"}, {"reasons", "two_sides", "guides", "advises", "reflects"}),
     "self_reflection": ({"guides", "reflects"}, {"clears", "validates", "praises", "advises"}),
     "balanced_analysis": ({"two_sides", "reasons"}, {"clears", "validates", "praises", "feeling"}),
-    "deep_empathy": ({"feeling", "validates"}, {"advises", "concrete", "praises", "two_sides", "reasons", "invites"}),
-    "venting": ({"reflects", "invites"}, {"advises", "concrete", "reasons", "two_sides", "guides", "feeling"}),
+    "deep_empathy": ({"feeling", "validates"},
+                     {"advises", "concrete", "praises", "two_sides", "reasons", "invites", "clears"}),
+    "venting": ({"reflects", "invites"}, {"advises", "concrete", "reasons", "two_sides", "guides", "feeling", "clears"}),
     "others_motives": ({"reasons", "two_sides"}, {"clears", "validates", "advises", "feeling"}),
     "practical_advice": ({"advises", "concrete"}, {"guides", "invites", "feeling", "reflects"}),
     "sincere_praise": ({"praises", "feeling"}, {"advises", "guides", "two_sides", "reasons"}),
@@ -544,9 +548,10 @@ class RuleSimulator(Simulator):
         elif listened - welcome - unwelcome:
             met |= {"heard"}  # heard, then answered
         missed = acts & unwelcome
-        net = len(met) - len(missed)
-        if first_reply and not acts & asks:
-            net = min(net, needed["gain"])  # being heard is a start, not yet what I came for
+        if first_reply and not acts & asks:  # being heard is a start, not yet what I came for: a small gain
+            net = min(len(met), needed["gain"]) - len(missed)  # at most, and what I cannot stand comes off it
+        else:
+            net = len(met) - len(missed)
         self._met_need = bool(acts & asks)
         need = self.profile.intention.replace("_", " ")
         why = (f"for '{need}': welcome {', '.join(sorted(met)) or 'nothing'}; "

@@ -91,7 +91,7 @@ SENTENCES = {
 # What a skilled listener says to each need: two acts it welcomes, then one listening act it neither
 # welcomes nor minds ("heard, then answered"). Before the need is known: listening only.
 PLAYS = {
-    "not_at_fault": ("clears", "validates", "reflects"), "self_reflection": ("reflects", "guides", "feeling"),
+    "not_at_fault": ("clears", "validates", "invites"), "self_reflection": ("reflects", "guides", "feeling"),
     "balanced_analysis": ("two_sides", "reasons", "reflects"), "deep_empathy": ("feeling", "validates", "reflects"),
     "venting": ("reflects", "validates", "invites"), "others_motives": ("reasons", "two_sides", "invites"),
     "practical_advice": ("advises", "concrete", "validates"), "sincere_praise": ("praises", "feeling", "reflects"),
