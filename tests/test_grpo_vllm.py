@@ -79,11 +79,11 @@ def test_grpo_in_server_mode_trains_on_two_ranks_whose_dialogues_end_at_differen
     url, _, _ = fake_server
     log = tmp_path / "client.log"
     # The fake's replies (up to 24 random tokens, garbled to the rule user: -10 a turn from 30, so gone by the
-    # 3rd turn) against a 200-token dialogue budget that the longer openings reach first: dialogues end at
+    # 3rd turn) against a 240-token dialogue budget that the longer openings reach first: dialogues end at
     # different turns on each rank, and all of them before the 6th turn. The fake server's fixed seed makes
     # the run reproducible.
     finished = two_ranks(*grpo_command(tiny_model_dir, tmp_path / "run", "--max_steps", "2", "--max_turns", "6",
-                                       "--max_reply_tokens", "24", "--max_dialogue_tokens", "200", "--vllm_mode",
+                                       "--max_reply_tokens", "24", "--max_dialogue_tokens", "240", "--vllm_mode",
                                        "server", "--vllm_server_base_url", url),
                          env={"FAKE_VLLM_LOG": str(log)})
     assert finished.returncode == 0, finished.stderr[-3000:]

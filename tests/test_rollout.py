@@ -198,8 +198,11 @@ def test_a_dialogue_ended_early_leaves_the_others_matched(tiny):
     starts, openings = starts_for(tokenizer, chosen)
     scripts = {
         chosen[0].id: ["Just calm down, it's not a big deal."] * 3,  # gives up after two turns from 20 (-10 each)
-        chosen[1].id: [f"Tell me more about that, turn {i}." for i in range(3)],  # generic: -5 each, three turns
-        chosen[2].id: [f"What happened next, part {i}?" for i in range(3)],
+        # generic, -5 each, three turns (distinct sentences: a sentence said again is a repeat, -10)
+        chosen[1].id: ["Tell me more about that.", "I am listening, go on whenever you are ready.",
+                       "Okay, and what came after it all?"],
+        chosen[2].id: ["What happened next?", "How did everyone around you react?",
+                       "Where do things stand at the moment?"],
     }
     dialogues = run(tokenizer, Scripted(tokenizer, scripts, openings), starts, max_turns=3, start_emotion=20)
     assert dialogues[0].end_reason == "gave_up" and len(dialogues[0].reply_texts) == 2
