@@ -104,7 +104,7 @@ THRESHOLDS = {
     "list_lines": 3,  # this many lines ...
     "list_line_words": 9,  # ... of fewer words each, on median, are a list, not a reply
     "cues_per_sentence": 2,  # more cue phrases than this per sentence (3+ in all) is stuffing ...
-    "cues_in_one_sentence": 3,  # ... and so is this many in one sentence
+    "cues_in_one_sentence": 4,  # ... and so is this many in one sentence
     "fragment_commas": 3,  # a sentence with this many commas, one per 3 words or more, is fragments
     "against_max": 2,  # unwelcome acts beyond what helped that cost points, at most (so -10 at worst)
     # garbled, scored alone: any of these
@@ -161,15 +161,23 @@ everything nothing someone anyone everyone people person life day today now yeah
 thanks help helps situation happen happened happening
 """.split())
 
-DISMISSIVE = re.compile(r"\b(get over it|(?:it'?s |that'?s )?no(?:t a)? big deal|calm down|over-?react\w*|"
-                        r"stop (?:complaining|whining|worrying)|whatever(?=\s*[.,!]|$)|(?:it'?s|that'?s) not that bad|"
-                        r"could be worse|(?:others|other people) have it worse|just move on|"
-                        r"(?:so|too) (?:dramatic|sensitive)|it'?s nothing|deal with it|not my problem|"
-                        r"who cares|grow up|man up|chill out|first world problem|get a grip|"
-                        r"don'?t worry about it|just relax|(?<!can't )(?<!cannot )let it go)\b", re.IGNORECASE)
-# Words just before a dismissive phrase that report it rather than say it ("being told it could be worse").
-REPORTED = re.compile(r"\b(?:told|tell|tells|telling|say|says|said|saying|hear|hearing|heard|going to say|"
-                      r"not going to|won'?t)\b[^.?!]{0,30}$", re.IGNORECASE)
+# Dismissive wherever they stand (unless reported or quoted, below) ...
+DISMISSIVE = re.compile(r"\b(get over it|(?:it'?s |that'?s )?no(?:t a)? big deal|over-?react\w*|"
+                        r"whatever(?=\s*[.,!]|$)|(?:it'?s|that'?s) not that bad|"
+                        r"could be worse|(?:others|other people) have it worse|"
+                        r"(?:so|too) (?:dramatic|sensitive)|it'?s nothing|not my problem|"
+                        r"who cares|first world problem)\b", re.IGNORECASE)
+# ... and dismissive as a command to the user only: at the start of a sentence or after a lead-in ("just",
+# "you need to"). "Let it go to keep the peace" as one of two options, or "the building's insurer would deal
+# with it, not you", dismiss nobody.
+DISMISSIVE_COMMANDS = re.compile(r"\b(calm down|stop (?:complaining|whining|worrying)|move on|deal with it|grow up|"
+                                 r"man up|chill out|get a grip|don'?t worry about it|relax|let it go)\b", re.IGNORECASE)
+COMMAND_LEAD_IN = re.compile(r"(?:^|[.!?\n])\s*(?:(?:just|so|honestly|look|come on|seriously|you (?:should|need to|"
+                             r"have to|must|gotta|just need to)|,)\s*)*$", re.IGNORECASE)
+# Words just before a dismissive phrase that report it rather than say it ("being told it could be worse"),
+# or a quotation mark: the user's own word quoted back ("more than 'whatever'").
+REPORTED = re.compile(r"(?:\b(?:told|tell|tells|telling|say|says|said|saying|hear|hearing|heard|going to say|"
+                      r"not going to|won'?t)\b[^.?!]{0,30}|[\"'\u201c])$", re.IGNORECASE)
 STOCK_PHRASES = re.compile(r"\b(i (?:completely |totally )?understand(?: how you feel)?|"
                            r"(?:that|this|it) (?:must be|sounds|is) (?:so |really )?(?:hard|tough|difficult)|"
                            r"(?:i'?m )?(?:so )?sorry (?:to hear (?:that|this)|you'?re going through this)|"
@@ -279,7 +287,9 @@ PRAISES = _cues(r"\b(?:proud of you|impressive|impressed|admire|admirable|brave|
                 r"well done|kudos|generous|thoughtful|good for you|hats off)\b", r"\byou handled\b",
                 r"\bthe way you (?:handled|dealt|stood|kept|took care|managed|looked after|stepped|stuck)\b",
                 r"\bit shows\b", r"\byou did (?:a )?(?:great|good|wonderful|amazing)\b",
-                r"\bthat'?s (?:no small|a real|quite an?) \w+",
+                r"\bthat'?s (?:no small|a real|quite an?) (?:thing|achievement|feat|accomplishment|effort|gift|"
+                r"strength|skill)\b",
+                r"\b(?:that'?s|that was|it was) a (?:good|kind|brave|generous|decent|wonderful) thing\b",
                 r"\bthat takes\b", r"\bnot everyone would\b", r"\byou should be proud\b", r"\byou (?:pulled|managed)\b")
 ACTS = {"feeling": NAMES_FEELING, "validates": VALIDATES, "reflects": REFLECTS, "invites": INVITES,
         "advises": OPTIONS, "concrete": CONCRETE, "reasons": REASONS, "two_sides": TWO_SIDES, "clears": CLEARS,
@@ -578,6 +588,8 @@ class RuleSimulator(Simulator):
         if SCORER_ADDRESSED.search(reply_text):
             defect("scorer", "spoke to a scorer or its instructions, not to me")
         dismissive = [m for m in DISMISSIVE.finditer(reply_text) if not REPORTED.search(reply_text[:m.start()])]
+        dismissive += [m for m in DISMISSIVE_COMMANDS.finditer(reply_text)
+                       if COMMAND_LEAD_IN.search(reply_text[:m.start()])]
         if dismissive:
             defect("dismissive", f"dismissive: '{dismissive[0].group(0)}'")
         stock = len(STOCK_PHRASES.findall(reply_text))

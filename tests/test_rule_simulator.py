@@ -415,3 +415,30 @@ def test_a_dismissive_phrase_that_is_reported_not_said_is_no_brush_off(make_prof
                 "It sounds like nobody has really listened.")
     assert "dismissive" not in first_turn(make_profile("venting"), reported).reasoning
     assert "dismissive" in first_turn(make_profile("venting"), "It could be worse, Dana did come to Lisbon.").reasoning
+
+
+@pytest.mark.parametrize("reply", [
+    "Dana missing the Lisbon wedding is on her. Whether you push her for an apology or let it go is yours to decide.",
+    "The Lisbon venue and Dana's own plans are hers to deal with it, not yours.",
+    'Dana calling the wedding "nothing" hurt, and it is hard to calm down after Lisbon.',
+])
+def test_a_command_word_that_commands_nobody_is_no_brush_off(make_profile, reply):
+    assert "dismissive" not in first_turn(make_profile("venting"), reply).reasoning
+
+
+@pytest.mark.parametrize("command", ["Let it go, Dana and Lisbon are done.", "Just move on from Dana and Lisbon.",
+                                     "You need to calm down about Dana and the Lisbon wedding."])
+def test_a_command_to_let_go_or_calm_down_is_a_brush_off(make_profile, command):
+    assert "dismissive" in first_turn(make_profile("venting"), command).reasoning
+
+
+def test_the_users_own_dismissive_word_quoted_back_is_no_brush_off(make_profile):
+    profile = make_profile("venting", first_talk="Dana skipped my wedding in Lisbon, whatever.")
+    quoted = 'Dana skipping your Lisbon wedding sounds like more than "whatever" to me. What happened?'
+    assert "dismissive" not in first_turn(profile, quoted).reasoning
+
+
+def test_a_real_kick_is_sympathy_not_praise():
+    assert "praises" not in rule_user.acts_of("Losing Lisbon like that, that's a real kick.")
+    assert "praises" in rule_user.acts_of("Stopping that, that's a real achievement.")
+    assert "praises" in rule_user.acts_of("You stopped the transfer, that's a good thing to have done.")
