@@ -2,9 +2,9 @@
 
 Each training prompt is a profile id. TRL's sampler repeats it `num_generations` times; every copy
 becomes one dialogue with its own simulator, and all copies share the profile and its opening line
-(made once per profile before training). `rollout.py` plays the dialogues at token level and the
-reward is the final emotion / 100, read from the rollout's `final_emotion` field (not from the
-decoded completion text).
+(made once per profile before training, on the main process, and sent to the others: a group may span
+ranks). `rollout.py` plays the dialogues at token level and the reward is the final emotion / 100, read
+from the rollout's `final_emotion` field (not from the decoded completion text).
 
 Offline demo (the defaults): the packaged SmolLM2-135M-Instruct with LoRA, against the rule
 simulator on our English profiles, about 15 minutes on 2 CPU cores:
@@ -24,7 +24,9 @@ Every GRPOConfig and ModelConfig flag of TRL works too (`--report_to trackio`, `
 defaults, also under `--config`: every recipe states every `DEMO_DEFAULTS` key (tests/test_recipes.py
 checks it), and a config file that leaves one out gets a warning naming the demo values it keeps.
 A tracker in `report_to` whose package is missing is refused at start-up, before any model loads, as is
-every other input that can be checked without one (options, --config, output folder, model path, profiles).
+every other input that can be checked without one (options, --config, output folder, model path, profiles),
+and a full fine-tune (`use_peft` false) of bf16 weights without DeepSpeed, which would not learn
+(`check_master_weights`).
 
 Turn-level credit (`--turn_credit`; off by default, the paper rewards the final emotion only): the
 simulated user reports an emotion change after every policy turn. With it on, a token's advantage is its
@@ -32,7 +34,9 @@ dialogue's group-normalised outcome advantage (TRL's) plus `turn_credit_coef` x 
 compared with its group's changes at the same turn (`turn_terms`), so that a reply that moved the user
 more than the group's replies did at that point is credited for it, and one that lost the user is not
 credited with a recovery a later reply made. `rollout_func` is unchanged: the changes travel in its
-per-row fields, and `DialogueGRPOTrainer` turns them into advantages of shape (rows, tokens).
+per-row fields, and `DialogueGRPOTrainer` turns them into advantages of shape (rows, tokens). TRL's options
+written for one advantage per dialogue (GSPO's sequence-level ratio, VESPO, the off-policy mask, and
+`scale_rewards none` with a std-scaled turn term) are refused with it (`check_turn_credit`).
 
 vLLM (`use_vllm`, generation only; the recipes colocate it with the trainer on every GPU):
 - Importance sampling. vLLM's token probabilities differ slightly from the trainer's, and TRL
@@ -65,9 +69,9 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 from datasets import Dataset
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PretrainedConfig
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 
@@ -139,9 +143,42 @@ def parse_arguments(argv: list[str] | None = None):
     try:  # TRL's dataclasses are not ours: check them here, or inf, nan or a negative temperature would fail
         common.check_options(training_args, temperature=common.POSITIVE)  # only after the model loaded
         common.check_options(model_args)
+        check_turn_credit(credit_args, training_args)
     except common.ArgumentError as error:
         parser.error(str(error))
     return dialogue_args, simulator_args, credit_args, training_args, model_args
+
+
+def check_turn_credit(credit_args: TurnCreditArguments, training_args: GRPOConfig) -> None:
+    """Refuse the GRPOConfig options whose meaning turn credit would silently change. TRL writes them for one
+    advantage per dialogue; with turn credit the advantages are (rows, tokens), which TRL's loss takes as they are
+    (`DialogueGRPOTrainer`). Unchanged by that, so allowed: the token-level losses (dapo, grpo, bnpo, dr_grpo,
+    cispo, sapo, luspo at importance_sampling_level token), every vllm_importance_sampling_mode (its ratio comes
+    from the sampled tokens alone, sequence_* modes weigh all a dialogue's tokens alike whatever their advantages),
+    top_entropy_quantile, beta and delta (per token), scale_rewards group or batch (both terms in stds)."""
+    if not credit_args.turn_credit:
+        return
+    if training_args.importance_sampling_level == "sequence":
+        raise common.ArgumentError(
+            "--turn_credit with --importance_sampling_level sequence (GSPO): one ratio per dialogue gives each of its "
+            "tokens the gradient of the dialogue's mean advantage, so no turn would be credited apart from the others; "
+            "use --importance_sampling_level token")
+    if training_args.loss_type == "vespo":
+        raise common.ArgumentError(
+            "--turn_credit with --loss_type vespo: VESPO weighs a whole dialogue by its sequence-level ratio, shaped "
+            "by the sign of its advantage, and turn credit gives a dialogue's tokens advantages of both signs; use a "
+            "token-level --loss_type (dapo, TRL's default)")
+    if training_args.off_policy_mask_threshold is not None:
+        raise common.ArgumentError(
+            "--turn_credit with --off_policy_mask_threshold: the mask drops an off-policy dialogue with a negative "
+            "advantage, and with turn credit TRL would drop only its tokens whose advantage is negative, keeping the "
+            "rest; leave --off_policy_mask_threshold unset")
+    if training_args.scale_rewards == "none" and credit_args.turn_credit_scale == "std":
+        raise common.ArgumentError(
+            "--turn_credit with --scale_rewards none and --turn_credit_scale std: the outcome term would stay in "
+            "reward units and the turn term in standard deviations, so --turn_credit_coef would no longer weigh one "
+            "against the other; pass --turn_credit_scale bound (a fixed scale, as the outcome's), or --scale_rewards "
+            "group")
 
 
 def batch_hint(message: str) -> str:
@@ -191,6 +228,31 @@ def check_setup(argv: list[str], training_args: GRPOConfig) -> None:
                       "max_dialogue_tokens first)")
 
 
+def check_master_weights(model_path: str, training_args: GRPOConfig, use_peft: bool) -> None:
+    """Refuse a full fine-tune of 16-bit weights without DeepSpeed, before they load. AdamW's steps of ~lr (1e-6 in
+    the recipes) are far below bf16's resolution (1/256 of a weight); DeepSpeed keeps fp32 master weights (the
+    recipes launch under accelerate_configs/zero3.yaml), but TRL and the Trainer train the weights in the dtype
+    they were loaded in (--bf16 only autocasts), so the run would silently not learn. The dtype is
+    model_init_kwargs' (--dtype); "auto" is the checkpoint's, read from its config."""
+    if use_peft or training_args.deepspeed_plugin is not None:
+        return
+    dtype = str(training_args.model_init_kwargs.get("dtype", "float32")).removeprefix("torch.")
+    source = f"--dtype {dtype}"
+    if dtype == "auto":
+        try:
+            config = PretrainedConfig.get_config_dict(model_path)[0]
+        except OSError:  # no config to read: loading the model will say what is wrong
+            return
+        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+        source = f"--dtype auto ({model_path} is {dtype})"
+    if dtype in ("bfloat16", "float16"):
+        raise common.InputError(
+            f"a full fine-tune (--use_peft false) of {source} weights without DeepSpeed trains them in {dtype}, where "
+            "AdamW's steps of ~lr are below the weights' resolution and the model silently does not learn; launch with "
+            "accelerate launch --config_file accelerate_configs/zero3.yaml (or zero2.yaml), which keeps fp32 master "
+            "weights, or pass --dtype float32, or train LoRA (--use_peft true)")
+
+
 def check_profile_count(profile_count: int, path: str, training_args: GRPOConfig) -> None:
     """TRL's sampler takes generation_batch_size / num_generations distinct prompts (profiles) per generation
     batch, over all processes, and drops a remainder smaller than that: with fewer profiles it yields no
@@ -203,6 +265,22 @@ def check_profile_count(profile_count: int, path: str, training_args: GRPOConfig
             f"{training_args.world_size} process(es) x {training_args.steps_per_generation} steps_per_generation), "
             f"{training_args.num_generations} per profile, needs {needed} distinct profiles; add profiles, or lower "
             "--per_device_train_batch_size")
+
+
+def shared_openings(runner: rollout.DialogueRunner, profiles: list, training_args: GRPOConfig) -> dict[str, str]:
+    """Each profile's opening line, made on the main process and sent to the others. An LLM simulator samples
+    openings, and a group of dialogues may span ranks: openings made on every rank would start one group's
+    dialogues from different user messages. An error there is raised on every rank, not only the main one."""
+    made = [None]
+    if training_args.distributed_state.is_main_process:
+        try:
+            made = [runner.openings(profiles)]
+        except Exception as error:  # the others wait in the broadcast: send them the error to raise
+            made = [error]
+    broadcast_object_list(made)
+    if isinstance(made[0], Exception):
+        raise made[0]
+    return made[0]
 
 
 def make_emotion_reward(dialogue_args: rollout.DialogueArguments):
@@ -327,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     check_setup(argv, training_args)  # before anything slow
     # Every input that can be checked without a model, before one loads (or the simulator's endpoint is asked).
     model_path = common.resolve_model(model_args.model_name_or_path, "model_name_or_path")
+    training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
+    check_master_weights(model_path, training_args, model_args.use_peft)
     profiles = {p.id: p for p in simulator.load_profiles(dialogue_args.profiles)}
     simulator.check_backend(profiles.values(), simulator_args)
     check_profile_count(len(profiles), dialogue_args.profiles, training_args)
@@ -342,11 +422,10 @@ def main(argv: list[str] | None = None) -> None:
                              f"there; give a checkpoint folder such as {training_args.output_dir}/checkpoint-10")
         for path in [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]:
             rollout.keep_rows_before(path, json.loads(state.read_text())["global_step"])
-    training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, simulator.make_chat(simulator_args))
     runner.check_chat()  # fail now, not after loading the model
-    openings = runner.openings(list(profiles.values()))
+    openings = shared_openings(runner, list(profiles.values()), training_args)
 
     def rollout_func(prompts: list[str], trainer) -> dict:
         starts = [(profiles[profile_id], openings[profile_id]) for profile_id in prompts]

@@ -141,6 +141,24 @@ def test_chinese_profiles_with_the_rule_backend_are_refused_before_any_model_loa
                                 "--profiles", str(chinese_profiles(tmp_path))])
 
 
+@pytest.mark.parametrize("config, flags, source", [
+    ({}, ["--dtype", "bfloat16"], "--dtype bfloat16"),
+    ({"dtype": "bfloat16"}, ["--dtype", "auto"], r"--dtype auto \(.*model is bfloat16\)"),
+    ({"torch_dtype": "float16"}, ["--dtype", "auto"], r"--dtype auto \(.*model is float16\)"),
+])
+def test_grpo_refuses_a_full_fine_tune_of_16_bit_weights_without_deepspeed_before_they_load(tmp_path, model_folder,
+                                                                                             config, flags, source):
+    """AdamW's steps of ~lr are below bf16's resolution: without DeepSpeed's fp32 master weights the run would not
+    learn. The folder holds no weights, so a run that got as far as loading them would fail otherwise."""
+    (model_folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(common.InputError, match=fr"a full fine-tune \(--use_peft false\) of {source} weights without "
+                       r"DeepSpeed .* accelerate_configs/zero3.yaml \(or zero2.yaml\).* or pass --dtype float32, or "
+                       r"train LoRA \(--use_peft true\)$"):
+        train_grpo.main(["--model_name_or_path", str(model_folder), "--output_dir", str(tmp_path / "run"),
+                         "--use_peft", "false", *flags])
+    assert not (tmp_path / "run").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # Paths
 # --------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import common
 import rollout
 import train_grpo
 
@@ -45,6 +46,30 @@ def test_paper_recipes_are_read_with_the_demo_defaults_underneath_and_leave_none
         assert model_args.use_peft is False and training_args.save_strategy == "steps"
         assert (training_args.learning_rate, training_args.beta, training_args.num_generations) == (1e-6, 0.0, 4)
         assert dialogue_args.max_turns == 8 and train_grpo.demo_defaults_kept(["--config", str(recipe)]) == {}
+
+
+def master_weights_check(*argv: str, deepspeed: bool = False, model: str = "Qwen/Qwen2.5-7B-Instruct") -> None:
+    """check_master_weights on a command line, as main calls it; `deepspeed`: as `accelerate launch --config_file
+    accelerate_configs/zero3.yaml` leaves the arguments (ACCELERATE_USE_DEEPSPEED makes TRL's config hold a
+    DeepSpeed plugin; a stand-in here, which needs no process group)."""
+    _, _, _, training_args, model_args = train_grpo.parse_arguments([*argv, "--bf16", "false"])
+    training_args.model_init_kwargs = {"dtype": model_args.dtype}
+    training_args.deepspeed_plugin = object() if deepspeed else None
+    train_grpo.check_master_weights(model, training_args, model_args.use_peft)
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("grpo_*.yaml")), ids=lambda recipe: recipe.name)
+def test_a_recipes_full_fine_tune_of_bf16_weights_is_accepted_under_deepspeed_only(recipe):
+    master_weights_check("--config", str(recipe), deepspeed=True)
+    with pytest.raises(common.InputError, match="without DeepSpeed"):
+        master_weights_check("--config", str(recipe))
+
+
+def test_a_full_fine_tune_of_fp32_weights_and_lora_on_bf16_weights_are_accepted_without_deepspeed(tmp_path):
+    (tmp_path / "config.json").write_text('{"dtype": "float32"}')
+    master_weights_check("--use_peft", "false", "--dtype", "float32")
+    master_weights_check("--use_peft", "false", "--dtype", "auto", model=str(tmp_path))
+    master_weights_check("--use_peft", "true", "--dtype", "bfloat16")
 
 
 @pytest.mark.parametrize("think", [False, True])

@@ -215,3 +215,29 @@ def test_turn_credit_options_are_checked_and_off_by_default():
         train_grpo.parse_arguments(["--turn_credit_coef", "-1"])
     with pytest.raises(SystemExit):
         train_grpo.parse_arguments(["--turn_credit_baseline", "dialogue"])
+
+
+# --------------------------------------------------------------------------------------------
+# GRPO: TRL's options written for one advantage per dialogue
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, reason", [
+    (["--importance_sampling_level", "sequence"], "--importance_sampling_level sequence (GSPO): one ratio per dialogue "
+     "gives each of its tokens the gradient of the dialogue's mean advantage"),
+    (["--loss_type", "vespo"], "--loss_type vespo: VESPO weighs a whole dialogue by its sequence-level ratio"),
+    (["--off_policy_mask_threshold", "0.5"], "--off_policy_mask_threshold: the mask drops an off-policy dialogue"),
+    (["--scale_rewards", "none"], "--scale_rewards none and --turn_credit_scale std: the outcome term would stay in "
+     "reward units and the turn term in standard deviations"),
+], ids=["gspo", "vespo", "off_policy_mask", "unscaled_outcome"])
+def test_turn_credit_refuses_the_trl_options_whose_meaning_token_advantages_would_change(flags, reason, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        train_grpo.parse_arguments(["--turn_credit", *flags])
+    assert stopped.value.code == 2 and reason in capsys.readouterr().err.strip().splitlines()[-1]
+    train_grpo.parse_arguments(flags)  # without turn credit: TRL's own meaning, accepted
+
+
+def test_turn_credit_keeps_the_trl_options_that_mean_the_same_for_token_advantages():
+    for flags in (["--scale_rewards", "none", "--turn_credit_scale", "bound"], ["--scale_rewards", "batch"],
+                  ["--use_vllm", "--vllm_importance_sampling_mode", "sequence_mask"], ["--loss_type", "sapo"],
+                  ["--loss_type", "cispo"], ["--loss_type", "luspo"], ["--top_entropy_quantile", "0.2"]):
+        assert train_grpo.parse_arguments(["--turn_credit", *flags])[2].turn_credit, flags
