@@ -27,9 +27,12 @@ One step:
 4. GAE over the policy's actions only: the actions of a dialogue, in order, form one chain.
    Inserted tokens (user turns) are not actions: they get no advantage, and the bootstrap runs from
    the last action of one turn to the first action of the next across them. gamma = lambda = 1.
-   Advantages are whitened over the actions of the batch.
+   Advantages are whitened over the actions of the batch: with several processes, every rank's.
 5. `ppo_epochs` passes over shuffled minibatches of dialogues: clipped policy loss, entropy bonus,
-   clipped value loss, one optimizer step per minibatch. A minibatch's rows go through the networks
+   clipped value loss, one optimizer step per minibatch. With several processes a minibatch is every
+   rank's share of it and its losses are means over all their actions; ranks holding different numbers
+   of rows (a dialogue lost to its simulator, per-turn rows) still make the same passes and steps, a
+   rank short of rows passing a row without actions (ppo_update). A minibatch's rows go through the networks
    `micro_batch_size` at a time (default: all at once), their gradients accumulated; the policy's
    log-probs are scored LOGPROB_CHUNK action positions at a time, each chunk recomputed in the
    backward pass, so that one chunk's logits live at once. Policy and critic are one module with one
@@ -90,7 +93,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.tracking import get_available_trackers
-from accelerate.utils import DistributedType, LoggerType
+from accelerate.utils import DistributedType, LoggerType, extract_model_from_parallel, gather_object
 from peft import LoraConfig, get_peft_model
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -311,14 +314,18 @@ def dialogue_rows(dialogue, rewards: list[float], per_turn: bool) -> list[tuple[
 
 
 def pad_batch(rows: list[tuple], pad_id: int, device) -> dict:
-    """Right-padded ids, attention mask and float action mask from (ids, action mask, ...) rows, on `device`."""
-    width = max(len(row[0]) for row in rows)
+    """Right-padded ids, attention mask and float action mask from (ids, action mask, ...) rows, on `device`.
+    No rows (a rank whose every dialogue lost its simulator) make tensors of 0 rows: the rank still takes
+    part in the step's collectives (ppo_update)."""
+    width = max((len(row[0]) for row in rows), default=0)
     padding = [width - len(row[0]) for row in rows]
-    return {"input_ids": torch.tensor([row[0] + [pad_id] * pad for row, pad in zip(rows, padding)], device=device),
-            "attention_mask": torch.tensor([[1] * len(row[0]) + [0] * pad for row, pad in zip(rows, padding)],
-                                           device=device),
-            "action_mask": torch.tensor([row[1] + [0] * pad for row, pad in zip(rows, padding)],
-                                        dtype=torch.float, device=device)}
+
+    def tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device).reshape(len(rows), width)
+
+    return {"input_ids": tensor([row[0] + [pad_id] * pad for row, pad in zip(rows, padding)], torch.long),
+            "attention_mask": tensor([[1] * len(row[0]) + [0] * pad for row, pad in zip(rows, padding)], torch.long),
+            "action_mask": tensor([row[1] + [0] * pad for row, pad in zip(rows, padding)], torch.float)}
 
 
 # Action positions whose logits are computed at once. The output layer's logits are by far the widest
@@ -343,6 +350,8 @@ def token_logprobs(model, input_ids, attention_mask, action_mask, temperature: f
     that one chunk's logits live at a time in both passes. The body and the output layer are called
     apart (through a PEFT wrapper too: its LoRA layers sit inside them), so the model makes no logits."""
     targets = action_mask.any(dim=0).nonzero().squeeze(-1)  # never position 0: it follows no token
+    if len(targets) == 0:  # a placeholder micro-batch (ppo_update): one position scored, so every weight
+        targets = torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)  # gets its (zero) gradient
     body, output_layer = model.get_decoder(), model.get_output_embeddings()
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     chosen = torch.zeros(input_ids.shape, dtype=torch.float, device=input_ids.device)
@@ -381,17 +390,23 @@ def forward(model, batch: dict, temperature: float, with_entropy: bool = True):
 
 def old_logprobs_and_values(model, batch: dict, order: list[int], temperature: float, micro_batch_size: int):
     """Log-probs and values of every row before the update, and the forward pass of the first
-    micro-batch of the first epoch's `order`. That micro-batch is trained before any weight changes, so
+    micro-batch of the first epoch's `order` (of placeholder_rows when there are no rows). That micro-batch is trained before any weight changes, so
     its old log-probs and values are its new ones, detached: its pass is made once, with graphs, and
     serves both (with one micro-batch per batch, as in the demo, no separate no-grad pass is made at
-    all). The other micro-batches are scored without graphs, grouped as the first epoch trains them."""
+    all). The other micro-batches are scored without graphs, grouped as the first epoch trains them, by
+    the networks outside their DDP or DeepSpeed wrapper: scoring trains nothing, and DDP's forward pass
+    after a training pass broadcasts the buffers (a collective), which ranks scoring different numbers of
+    micro-batches would pair with the wrong collectives of the others."""
     micro_batches = [order[start:start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
-    first = forward(model, select_rows(batch, micro_batches[0]), temperature)
     old_logprobs, old_values = torch.zeros_like(batch["action_mask"]), torch.zeros_like(batch["action_mask"])
+    if not micro_batches:  # a rank without rows: its first pass, like every rank's, is a collective under DDP
+        return old_logprobs, old_values, forward(model, placeholder_rows(batch), temperature)
+    first = forward(model, select_rows(batch, micro_batches[0]), temperature)
     old_logprobs[micro_batches[0]], old_values[micro_batches[0]] = first[0].detach(), first[2].detach()
+    scorer = extract_model_from_parallel(model)  # keeps accelerate's autocast, if any
     with torch.no_grad():
         for rows in micro_batches[1:]:
-            old_logprobs[rows], _, old_values[rows] = forward(model, select_rows(batch, rows), temperature,
+            old_logprobs[rows], _, old_values[rows] = forward(scorer, select_rows(batch, rows), temperature,
                                                               with_entropy=False)
     return old_logprobs, old_values * batch["action_mask"], first
 
@@ -413,8 +428,8 @@ def masked_gae(rewards, values, action_mask, gamma: float, lam: float):
     """GAE over the actions only: a non-action position is skipped, neither receiving an advantage
     nor cutting the chain; the value after a row's last action is 0 (the dialogue is over)."""
     advantages = torch.zeros_like(rewards)
-    next_value = torch.zeros_like(rewards[:, 0])
-    running = torch.zeros_like(rewards[:, 0])
+    next_value = rewards.new_zeros(rewards.shape[0])
+    running = rewards.new_zeros(rewards.shape[0])
     for t in reversed(range(rewards.size(1))):
         is_action = action_mask[:, t] > 0
         delta = rewards[:, t] + gamma * next_value - values[:, t]
@@ -426,6 +441,21 @@ def masked_gae(rewards, values, action_mask, gamma: float, lam: float):
     return advantages, returns
 
 
+def all_ranks(tensor, op=None):
+    """`tensor` summed (or reduced with `op`, a torch.distributed.ReduceOp) over every process; itself
+    when there is one. Every process must call it, the same number of times."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return tensor
+    tensor = tensor.clone()
+    torch.distributed.all_reduce(tensor, op=op or torch.distributed.ReduceOp.SUM)
+    return tensor
+
+
+def most_over_ranks(count: int, device) -> int:
+    """The largest of every process's `count`."""
+    return int(all_ranks(torch.tensor(count, device=device), torch.distributed.ReduceOp.MAX))
+
+
 def masked_mean(values, mask, count=None):
     """Mean over the positions where mask is 1; with `count`, the sum there over `count` instead (a
     micro-batch's share of its minibatch's mean, `count` being the minibatch's number of actions)."""
@@ -434,9 +464,17 @@ def masked_mean(values, mask, count=None):
     return total / (mask.sum().clamp(min=1) if count is None else count)
 
 
+def step_mean(values, mask):
+    """The mean over the actions of every process's rows: the step's batch is all ranks' dialogues."""
+    total, count = all_ranks(torch.stack([torch.where(mask > 0, values, torch.zeros_like(values)).sum(), mask.sum()]))
+    return total / count.clamp(min=1)
+
+
 def whiten(values, mask):
-    mean = masked_mean(values, mask)
-    std = masked_mean((values - mean) ** 2, mask).sqrt()
+    """(values - mean) / std, both over the step's actions on every rank (a rank's own 4 dialogues would
+    make their own baseline: a rank whose dialogues all went well would push its worse ones down)."""
+    mean = step_mean(values, mask)
+    std = step_mean((values - mean) ** 2, mask).sqrt()
     return torch.where(mask > 0, (values - mean) / (std + 1e-8), torch.zeros_like(values))
 
 
@@ -462,12 +500,29 @@ def ppo_losses(new_logprobs, entropy, new_values, batch, args: PPOArguments, act
     return policy_loss - args.entropy_coef * entropy_mean, value_loss, stats
 
 
+def placeholder_rows(minibatch: dict) -> dict:
+    """One row of two tokens without actions, in `minibatch`'s dtypes and device: its forward and backward
+    pass make a rank's collectives without changing any gradient (ppo_update)."""
+    rows = {key: torch.zeros((1, 2), dtype=value.dtype, device=value.device) for key, value in minibatch.items()}
+    rows["attention_mask"] += 1
+    return rows
+
+
 def ppo_update(accelerator, model, optimizer, minibatch: dict, args: PPOArguments, first_outputs=None) -> dict:
     """One optimizer step for both networks on a minibatch, its rows in micro-batches of micro_batch_size
     (gradient accumulation); returns the minibatch's stats. Each micro-batch's losses are sums over its
     actions divided by the minibatch's number of actions, so the accumulated gradient is that of the
     minibatch's token-mean losses. `first_outputs`: the first micro-batch's forward pass, if made
     already (old_logprobs_and_values).
+
+    With several processes the minibatch is every rank's rows: the count divided by is the actions of
+    all ranks' rows / the number of processes, as DDP and DeepSpeed average the ranks' gradients, so a
+    rank with few actions weighs as little as its actions do. Ranks hold different numbers of rows (a
+    dialogue lost to its simulator, per-turn rows of dialogues that ended at different turns, a rank
+    that lost all): every backward pass reduces gradients, so every rank makes as many as the rank with
+    the most micro-batches, a rank that has run out making them on a row without actions
+    (placeholder_rows), which adds nothing to any gradient. The stats returned are the step's, every
+    rank's actions counted.
 
     The networks share no weights, so each gets the gradient of its own loss and is clipped on its own:
     the updates of an optimizer and a clipping per network. Under DeepSpeed the engine instead clips
@@ -478,21 +533,28 @@ def ppo_update(accelerator, model, optimizer, minibatch: dict, args: PPOArgument
     loss by gradient_accumulation_steps is turned off, the losses being scaled already."""
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     networks = accelerator.unwrap_model(model)
-    rows, action_count = len(minibatch["action_mask"]), minibatch["action_mask"].sum().clamp(min=1)
+    rows, processes = len(minibatch["action_mask"]), accelerator.num_processes
+    micro_batches = most_over_ranks(-(-rows // args.micro_batch_size), minibatch["action_mask"].device)
+    action_count = all_ranks(minibatch["action_mask"].sum()).clamp(min=1) / processes
     stats = {}
     optimizer.zero_grad()
-    for start in range(0, rows, args.micro_batch_size):
+    for index in range(micro_batches):
+        start = index * args.micro_batch_size
         micro_batch = {key: value[start:start + args.micro_batch_size] for key, value in minibatch.items()}
+        if start >= rows:
+            micro_batch = placeholder_rows(minibatch)
         reused = start == 0 and first_outputs is not None
         outputs = first_outputs if reused else forward(model, micro_batch, args.temperature)
         policy_loss, value_loss, micro_stats = ppo_losses(*outputs, micro_batch, args, action_count)
-        accelerator.sync_gradients = start + args.micro_batch_size >= rows
+        accelerator.sync_gradients = index == micro_batches - 1
         accelerator.backward(policy_loss + value_loss, **({"scale_wrt_gas": False} if deepspeed else {}))
         stats = {key: stats.get(key, 0.0) + value for key, value in micro_stats.items()}
     for network in (networks.policy, networks.critic):
         accelerator.clip_grad_norm_(network.parameters(), args.max_grad_norm)
     optimizer.step()
-    return stats
+    names = sorted(stats)  # each rank's share of the step's means: their mean over the ranks is the step's
+    shares = all_ranks(torch.tensor([stats[name] for name in names], device=minibatch["action_mask"].device))
+    return dict(zip(names, (shares / processes).tolist()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -568,8 +630,7 @@ def main(argv=None) -> None:
     policy_path, profiles = check_inputs(args, dialogue_args, simulator_args)
     accelerator = Accelerator(log_with=None if args.report_to == "none" else args.report_to,
                               project_dir=str(output_dir))
-    if args.use_vllm and accelerator.num_processes > 1:
-        raise SystemExit("--use_vllm in train_ppo.py supports a single training process")
+    check_launch(args, accelerator)
     transcripts, metrics_file = run_files(output_dir, accelerator)
     if transcripts.exists() and not args.resume:
         raise SystemExit(f"{output_dir} already holds a run; choose another --output_dir, delete it, or pass --resume")
@@ -637,11 +698,12 @@ def main(argv=None) -> None:
             # 5. PPO epochs over shuffled minibatches of rows, one optimizer step per minibatch.
             stats = ppo_epochs(accelerator, model, optimizer, batch, epoch_orders, first_pass, args)
 
-            # Logging, transcripts, checkpoints.
-            metrics = {**rollout.dialogue_metrics(rollout.dialogue_columns(dialogues), dialogue_args.max_turns),
+            # Logging, transcripts, checkpoints. The metrics are the step's: every rank's dialogues.
+            columns, every_reward = step_dialogues(dialogues, final_rewards, accelerator)
+            metrics = {**rollout.dialogue_metrics(columns, dialogue_args.max_turns),
                        **{key: sum(s[key] for s in stats) / len(stats) for key in stats[0]},
                        **value_metrics(returns, old_values, batch["action_mask"]),
-                       "reward": sum(final_rewards) / len(final_rewards), "step": step,
+                       "reward": sum(every_reward) / max(len(every_reward), 1), "step": step,
                        "step_time": time.perf_counter() - started, "rollout_time": rollout_time}
             log_step(metrics, dialogues, step, transcripts, metrics_file, args, accelerator)
             bar.advance(len(dialogues), metrics.get("emotion/final_mean", float("nan")))
@@ -685,10 +747,22 @@ def check_inputs(args: PPOArguments, dialogue_args, simulator_args) -> tuple[str
     return policy_path, profiles
 
 
+def check_launch(args: PPOArguments, accelerator) -> None:
+    """Refuse the launches this loop cannot run, before any model loads."""
+    if args.use_vllm and accelerator.num_processes > 1:
+        raise SystemExit("--use_vllm in train_ppo.py supports a single training process (the weights are pushed "
+                         "from one); with several, generate with transformers (the default)")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        raise SystemExit("train_ppo.py does not support DeepSpeed ZeRO-3: its rollout generates with the policy's "
+                         "weights partitioned across ranks (it would hang) and its saves would hold empty tensors; "
+                         "launch with accelerate_configs/zero2.yaml")
+
+
 def run_files(output_dir: Path, accelerator) -> tuple[Path, Path]:
-    """(transcripts, metrics) files of this process: one pair per rank when there are several."""
+    """(this process's transcripts, the run's metrics): a transcripts file per rank when there are several;
+    one metrics file, the steps' metrics over every rank, written by the main process."""
     suffix = "" if accelerator.num_processes == 1 else f".rank{accelerator.process_index}"
-    return output_dir / f"transcripts{suffix}.jsonl", output_dir / f"metrics{suffix}.jsonl"
+    return output_dir / f"transcripts{suffix}.jsonl", output_dir / "metrics.jsonl"
 
 
 def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_steps: int, accelerator):
@@ -703,7 +777,8 @@ def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_s
                                 f"--save_steps {save_steps}), so there is nothing to continue; choose another "
                                 "--output_dir for a new run")
     step = 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
-    dropped = rollout.keep_rows_before(transcripts, step), rollout.keep_rows_before(metrics_file, step, "metrics file")
+    dropped = (rollout.keep_rows_before(transcripts, step),
+               rollout.keep_rows_before(metrics_file, step, "metrics file") if accelerator.is_main_process else 0)
     if checkpoint is None and any(dropped):
         accelerator.print(f"--resume: no checkpoint in {output_dir} yet (the run stopped before its first save, at "
                           f"step {save_steps}): starting again at step 0; dropped the {dropped[0]} transcript rows "
@@ -754,7 +829,7 @@ def policy_generator(vllm_server, policy, tokenizer, args: PPOArguments, dialogu
         return vllm_server
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sampling = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id)
+                                eos_token_id=sorted(generation.end_of_turn_ids(tokenizer)), pad_token_id=pad_id)
     return generation.TransformersGenerator(policy, tokenizer, sampling, dialogue_args.prefix_cache)
 
 
@@ -784,30 +859,53 @@ def reference_logprobs(reference, batch: dict, temperature: float):
 def ppo_epochs(accelerator, model, optimizer, batch: dict, epoch_orders: list[list[int]], first_pass,
                args: PPOArguments) -> list[dict]:
     """Each epoch's minibatches in that epoch's order, one ppo_update each; the very first micro-batch
-    reuses `first_pass`, its forward pass made while scoring the old log-probs. Returns their stats."""
+    reuses `first_pass`, its forward pass made while scoring the old log-probs. Returns their stats.
+
+    Every rank makes as many optimizer steps as the rank with the most rows needs (minibatches of at
+    most minibatch_size rows); each rank shares its micro-batches of micro_batch_size rows out over
+    them as evenly as whole micro-batches allow, in order, so that each step takes a like share of
+    every rank's rows (10 rows, minibatch_size 8, micro_batch_size 2: minibatches of 6 and 4 rows)."""
+    device = batch["action_mask"].device
+    minibatches = max(1, most_over_ranks(-(-len(epoch_orders[0]) // args.minibatch_size), device))
     stats = []
     for epoch, order in enumerate(epoch_orders):
-        for start in range(0, len(order), args.minibatch_size):
-            minibatch = select_rows(batch, order[start:start + args.minibatch_size])
-            reused = first_pass if epoch == 0 and start == 0 else None
+        micro_batches = [order[start:start + args.micro_batch_size]
+                         for start in range(0, len(order), args.micro_batch_size)]
+        for index in range(minibatches):
+            shared = micro_batches[-(-len(micro_batches) * index // minibatches):  # the larger shares first
+                                   -(-len(micro_batches) * (index + 1) // minibatches)]
+            minibatch = select_rows(batch, [row for micro_batch in shared for row in micro_batch])
+            reused = first_pass if epoch == 0 and index == 0 else None
             stats.append(ppo_update(accelerator, model, optimizer, minibatch, args, reused))
     return stats
 
 
 def value_metrics(returns, old_values, action_mask) -> dict[str, float]:
-    """The critic's mean value and explained variance (1 - Var(returns - values) / Var(returns)) over actions."""
-    unexplained = masked_mean((returns - old_values - masked_mean(returns - old_values, action_mask)) ** 2, action_mask)
-    spread = masked_mean((returns - masked_mean(returns, action_mask)) ** 2, action_mask)
-    return {"ppo/value_mean": masked_mean(old_values, action_mask).item(),
+    """The critic's mean value and explained variance (1 - Var(returns - values) / Var(returns)) over the
+    step's actions (every rank's)."""
+    errors = returns - old_values
+    unexplained = step_mean((errors - step_mean(errors, action_mask)) ** 2, action_mask)
+    spread = step_mean((returns - step_mean(returns, action_mask)) ** 2, action_mask)
+    return {"ppo/value_mean": step_mean(old_values, action_mask).item(),
             "ppo/explained_variance": (1 - unexplained / spread.clamp(min=1e-8)).item()}
+
+
+def step_dialogues(dialogues, final_rewards: list[float], accelerator) -> tuple[dict, list[float]]:
+    """(dialogue columns, final rewards of the scored dialogues) of every rank's dialogues of the step."""
+    columns, rewards = rollout.dialogue_columns(dialogues), list(final_rewards)
+    if accelerator.num_processes > 1:
+        every = gather_object([(columns, rewards)])
+        columns = {key: [value for rank_columns, _ in every for value in rank_columns[key]] for key in columns}
+        rewards = [reward for _, rank_rewards in every for reward in rank_rewards]
+    return columns, rewards
 
 
 def log_step(metrics: dict, dialogues, step: int, transcripts: Path, metrics_file: Path, args: PPOArguments,
              accelerator) -> None:
-    """The step's transcripts and metrics rows, the console line and the tracker."""
+    """This rank's transcripts; the step's metrics row (every rank's: main process), console line and tracker."""
     rollout.write_transcripts(transcripts, dialogues, step=step)
-    common.append_json_lines(metrics_file, [metrics])
     if accelerator.is_main_process:
+        common.append_json_lines(metrics_file, [metrics])
         accelerator.print({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
                            if not k.startswith("emotion/after")})
     if args.report_to != "none":

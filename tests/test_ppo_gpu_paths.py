@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -268,7 +269,8 @@ def test_the_recipe_setup_trains_both_networks_under_deepspeed_zero2(zero2_outpu
     from safetensors.torch import load_file
 
     for rank in (0, 1):  # each rank played its own dialogues
-        assert [row["step"] for row in json_lines(zero2_output / f"metrics.rank{rank}.jsonl")] == [0, 1]
+        assert [row["step"] for row in json_lines(zero2_output / f"transcripts.rank{rank}.jsonl")] == [0, 0, 1, 1]
+    assert [row["step"] for row in json_lines(zero2_output / "metrics.jsonl")] == [0, 1]  # the step's, all ranks'
     engine = torch.load(zero2_output / "checkpoint-2" / "deepspeed" / "pytorch_model" / "mp_rank_00_model_states.pt",
                         weights_only=False)
     config = engine["ds_config"]
@@ -289,7 +291,8 @@ def test_a_zero2_run_resumes_from_its_checkpoint(zero2_output, tiny_model_dir, t
     finished = zero2_run(tiny_model_dir, tmp_path, output_dir, "--max_steps", "3", "--save_steps", "1", "--resume")
     assert f"resumed from {output_dir / 'checkpoint-2'} at step 2" in finished.stdout
     for rank in (0, 1):
-        assert [row["step"] for row in json_lines(output_dir / f"metrics.rank{rank}.jsonl")] == [0, 1, 2]
+        assert [row["step"] for row in json_lines(output_dir / f"transcripts.rank{rank}.jsonl")] == [0, 0, 1, 1, 2, 2]
+    assert [row["step"] for row in json_lines(output_dir / "metrics.jsonl")] == [0, 1, 2]
     engine = torch.load(output_dir / "checkpoint-3" / "deepspeed" / "pytorch_model" / "mp_rank_00_model_states.pt",
                         weights_only=False)
     assert engine["global_steps"] == 3  # the engine's 2 steps restored, then step 2's minibatch
@@ -352,6 +355,154 @@ def test_under_zero2_an_update_in_micro_batches_is_the_update_on_the_whole_minib
 
 
 # --------------------------------------------------------------------------------------------
+# Several processes holding different numbers of rows: one step over all ranks' rows
+# --------------------------------------------------------------------------------------------
+
+UNEVEN_UPDATE = '''"""The same 4 rows (3, 9, 1 and 6 actions), split over the processes as argv[2] says ("3,1": rank 0 the
+first 3, rank 1 the last), each row its own micro-batch: one train_ppo.ppo_update with SGD at learning rate
+1 and no clipping, so the weights move by minus the gradient the ranks average; and train_ppo.whiten and
+value_metrics of fixed values at the rank's rows. Each rank saves what it got to argv[3].rank<i>."""
+import sys
+
+import torch
+from accelerate import Accelerator
+
+import train_ppo
+
+model_dir, split, output = sys.argv[1], [int(n) for n in sys.argv[2].split(",")], sys.argv[3]
+accelerator = Accelerator(cpu=True)
+rank = accelerator.process_index
+args = train_ppo.PPOArguments(model_name_or_path=model_dir, use_peft=False, minibatch_size=4, micro_batch_size=1,
+                              max_grad_norm=1e9)
+torch.manual_seed(0)
+model, _ = train_ppo.load_models(args)
+torch.nn.init.normal_(model.critic.value_head.weight)  # values that vary
+model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
+networks = accelerator.unwrap_model(model)
+before = {name: weight.detach().clone() for name, weight in networks.named_parameters()}
+generator = torch.Generator().manual_seed(0)
+rows = [([int(token) for token in torch.randint(0, 1000, (prompt + actions,), generator=generator)],
+         [0] * prompt + [1] * actions) for prompt, actions in ((5, 3), (4, 9), (6, 1), (2, 6))]
+advantages, returns = torch.randn(4, 13, generator=generator), torch.rand(4, 13, generator=generator)
+mine = list(range(sum(split[:rank]), sum(split[:rank + 1])))
+batch = train_ppo.pad_batch([rows[row] for row in mine], pad_id=0, device=accelerator.device)
+width = batch["action_mask"].shape[1]
+old_logprobs, old_values, first = train_ppo.old_logprobs_and_values(model, batch, list(range(len(mine))), 1.0, 1)
+batch.update(old_logprobs=old_logprobs, old_values=old_values, returns=returns[mine, :width],
+             advantages=advantages[mine, :width])
+whitened = train_ppo.whiten(batch["advantages"], batch["action_mask"])
+values = train_ppo.value_metrics(batch["returns"], batch["advantages"], batch["action_mask"])
+stats = train_ppo.ppo_update(accelerator, model, optimizer, batch, args, first)
+torch.save({"rows": mine, "stats": stats, "whitened": whitened, "value_metrics": values,
+            "step": {name: weight.detach() - before[name] for name, weight in networks.named_parameters()}},
+           f"{output}.rank{rank}")
+'''
+
+
+def uneven_update(tiny_model_dir, folder: Path, split: str) -> list[dict]:
+    """UNEVEN_UPDATE with the rows split over len(split) processes (gloo, DDP on CPU): each rank's results."""
+    script, output = folder / "update.py", folder / f"update-{split.replace(',', '-')}"
+    script.write_text(UNEVEN_UPDATE)
+    processes = len(split.split(","))
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+                str(free_port())] if processes > 1 else []
+    finished = subprocess.run([sys.executable, *launcher, str(script), str(tiny_model_dir), split, str(output)],
+                              cwd=folder, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    return [torch.load(f"{output}.rank{rank}", weights_only=False) for rank in range(processes)]
+
+
+@pytest.fixture(scope="module")
+def uneven_updates(tiny_model_dir, tmp_path_factory):
+    """{split: each rank's results} for the 4 rows in one process, and over two as 2+2, 3+1 and 4+0."""
+    folder = tmp_path_factory.mktemp("uneven")
+    return {split: uneven_update(tiny_model_dir, folder, split) for split in ("4", "2,2", "3,1", "4,0")}
+
+
+@pytest.mark.parametrize("split", ["2,2", "3,1", "4,0"])
+def test_an_update_over_ranks_holding_different_rows_is_the_update_on_all_their_rows(uneven_updates, split):
+    """Ranks with 3 and 1 rows (micro-batches), or 4 and none, make the same passes, and their averaged
+    gradient is that of the token-mean losses over all 4 rows, as one process computes it: each rank's
+    losses are divided by all ranks' actions / the number of processes (2+2, with 12 and 7 actions, would
+    weigh one rank's actions 12/7 as much as the other's if each divided by its own). The stats are the
+    step's, on every rank."""
+    whole, ranks = uneven_updates["4"][0], uneven_updates[split]
+    for rank in ranks:
+        assert rank["stats"] == pytest.approx(whole["stats"], rel=1e-4, abs=1e-6)
+        for name, step in whole["step"].items():
+            torch.testing.assert_close(rank["step"][name], step, rtol=1e-4, atol=1e-6)
+    assert max(step.abs().max() for step in whole["step"].values()) > 0
+
+
+@pytest.mark.parametrize("split", ["2,2", "3,1", "4,0"])
+def test_advantages_are_whitened_over_every_ranks_actions(uneven_updates, split):
+    """Each rank's whitened values are those of all 4 rows' actions whitened together in one process, which
+    a plain loop confirms centred and scaled (population std); the value metrics are the step's too."""
+    whole = uneven_updates["4"][0]
+    actions = [value for row in whole["whitened"].tolist() for value in row if value != 0.0]
+    assert len(actions) == 3 + 9 + 1 + 6
+    assert abs(sum(actions) / len(actions)) < 1e-5
+    assert (sum(value ** 2 for value in actions) / len(actions)) ** 0.5 == pytest.approx(1, abs=1e-4)
+    for rank in uneven_updates[split]:
+        for row, whitened in zip(rank["rows"], rank["whitened"]):
+            torch.testing.assert_close(whitened, whole["whitened"][row][:len(whitened)], rtol=1e-5, atol=1e-5)
+        assert rank["value_metrics"] == pytest.approx(whole["value_metrics"], rel=1e-5, abs=1e-6)
+
+
+def lost_dialogues_server(rank_0_profile_at_step_2):
+    """An LLM simulator endpoint for 3 PPO steps on 2 ranks, 2 dialogues of 2 turns a rank: step 0 plays
+    cleanly; in step 1 one analysis call fails (no retries: its dialogue is lost, 1 of 4); in step 2 every
+    analysis of rank 0's profile fails (its 2 dialogues lost, 2 of 4: within max_failed_share 0.5)."""
+    import threading
+
+    from fake_openai import FakeOpenAIServer
+
+    analyses, lock = [0], threading.Lock()
+    name = rank_0_profile_at_step_2.player.split("\n")[0]  # "* Name: ...", in the simulator's prompts
+
+    def respond(body):
+        if "CHANGE" not in body["messages"][-1]["content"]:  # an opening or a user message
+            return "Okay. It still hurts, though."
+        with lock:
+            analyses[0] += 1
+            if analyses[0] == 2 * 2 * 2 + 1 or any(name in message["content"] for message in body["messages"]):
+                return {"status": 500}
+            return f"They listened to me.\nCHANGE: {analyses[0] % 7 - 2:+d}"
+
+    return FakeOpenAIServer(respond=respond)
+
+
+def test_ppo_on_two_ranks_trains_through_lost_dialogues_and_per_turn_rows(tiny_model_dir, tmp_path):
+    """The recipe's launch (ZeRO-2, full fine-tune, micro-batches of one row) with the paper's per-turn rows,
+    3 steps: ranks hold 4|4 rows, then 4|2 or 2|4 (a dialogue lost), then 0|4 (rank 0 lost both its
+    dialogues). Every step trains on both ranks, and the step's metrics (metrics.jsonl, the tracker's)
+    are over both ranks' dialogues."""
+    import rollout
+    import simulator
+
+    profiles = simulator.load_profiles(rollout.DialogueArguments().profiles)
+    rank_0 = SimpleNamespace(num_processes=2, process_index=0)
+    at_step_2 = train_ppo.step_profiles(profiles, train_ppo.PPOArguments(profiles_per_step=1), 2, rank_0)[0]
+    with lost_dialogues_server(at_step_2) as server:
+        zero2_run(tiny_model_dir, tmp_path, tmp_path / "run", "--per_turn_rows", "--max_steps", "3",
+                  "--save_steps", "100", "--backend", "llm", "--base_url", server.base_url,
+                  "--simulator_model", "sim-model", "--simulator_max_retries", "0")
+    transcripts = [json_lines(tmp_path / "run" / f"transcripts.rank{rank}.jsonl") for rank in (0, 1)]
+    lost = [[sum(row["failure"] is not None for row in rows if row["step"] == step) for step in range(3)]
+            for rows in transcripts]
+    assert lost[0][1] + lost[1][1] == 1 and lost[0][0] == lost[1][0] == 0 and lost[0][2] == 2 and lost[1][2] == 0
+    metrics = json_lines(tmp_path / "run" / "metrics.jsonl")
+    assert [row["step"] for row in metrics] == [0, 1, 2]
+    for step, row in enumerate(metrics):
+        scored = [dialogue["emo_point"] for rows in transcripts for dialogue in rows
+                  if dialogue["step"] == step and dialogue["failure"] is None]
+        assert row["emotion/final_mean"] == pytest.approx(sum(scored) / len(scored))
+        assert row["reward"] == pytest.approx(sum(scored) / len(scored) / 100)
+    assert (tmp_path / "run" / "critic.pt").is_file()
+
+
+# --------------------------------------------------------------------------------------------
 # Refused at start-up
 # --------------------------------------------------------------------------------------------
 
@@ -377,3 +528,5 @@ def test_a_bf16_full_fine_tune_without_deepspeed_is_refused(tiny_model_dir, tmp_
                               capture_output=True, text=True, timeout=120)
     assert finished.returncode != 0 and "Traceback" not in finished.stderr
     assert "needs fp32 master weights" in finished.stderr and "zero2.yaml" in finished.stderr
+
+
