@@ -521,6 +521,25 @@ def test_a_missing_tracker_package_stops_the_run_before_any_model_loads(tmp_path
     assert f"pip install {missing}" in finished.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("zero_stage, processes, use_vllm, refused", [
+    (3, 1, False, "does not support DeepSpeed ZeRO-3"), (2, 2, True, "supports a single training process"),
+    (2, 2, False, None), (2, 1, True, None)])
+def test_launches_the_loop_cannot_run_are_refused_before_any_model_loads(zero_stage, processes, use_vllm, refused):
+    """ZeRO-3 would partition the weights the rollout generates with (a hang) and save empty tensors;
+    --use_vllm pushes weights from one process. Each refusal is one line saying what to launch instead."""
+    from accelerate.utils import DeepSpeedPlugin, DistributedType
+
+    accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=processes,
+                                  state=SimpleNamespace(deepspeed_plugin=DeepSpeedPlugin(zero_stage=zero_stage)))
+    args = train_ppo.PPOArguments(use_vllm=use_vllm)
+    if refused is None:
+        train_ppo.check_launch(args, accelerator)
+        return
+    with pytest.raises(SystemExit, match=refused) as stopped:
+        train_ppo.check_launch(args, accelerator)
+    assert "\n" not in str(stopped.value) and ("zero2.yaml" in str(stopped.value) or "transformers" in str(stopped.value))
+
+
 def test_a_bf16_full_fine_tune_without_deepspeed_is_refused(tiny_model_dir, tmp_path):
     """Plain AdamW on bf16 weights would round its small steps away and silently not learn."""
     finished = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
@@ -528,5 +547,3 @@ def test_a_bf16_full_fine_tune_without_deepspeed_is_refused(tiny_model_dir, tmp_
                               capture_output=True, text=True, timeout=120)
     assert finished.returncode != 0 and "Traceback" not in finished.stderr
     assert "needs fp32 master weights" in finished.stderr and "zero2.yaml" in finished.stderr
-
-
