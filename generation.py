@@ -11,6 +11,7 @@ its previous call, `PrefixCache`, and `--prefix_cache false` turns that off); in
 over `trl vllm-serve`; for evaluation, `VLLMEngineGenerator` (an in-process engine). The vLLM ones are
 rehearsed on CPU against a fake vLLM (tests/fake_vllm), not yet run on a GPU.
 """
+import collections
 import copy
 from contextlib import contextmanager
 
@@ -84,27 +85,38 @@ class TransformersGenerator:
 
     With `prefix_cache` (on by default; off: every call prefills its contexts afresh) the key-value cache
     of each call is kept for the next: a multi-turn rollout calls the generator once per phase and turn,
-    and each new context extends one the previous call saw (PrefixCache)."""
+    and each new context extends one the previous call saw (PrefixCache).
+
+    Under DeepSpeed ZeRO-3 or FSDP on several processes, model.generate runs in lockstep across the ranks
+    (transformers' `synced_gpus`): each step the ranks agree whether all have finished, and without gathered
+    weights every forward pass gathers the shards from every rank. So every rank must call generate the same
+    number of times: a rank with no context left (its dialogues ended) still generates, one new token for a
+    one-token dummy context, and then keeps stepping with the others until they finish."""
 
     def __init__(self, model, tokenizer, generation_config, prefix_cache: bool = True):
         self.model, self.tokenizer, self.generation_config = model, tokenizer, generation_config
-        self.eos_ids = {tokenizer.eos_token_id} | set(_as_list(generation_config.eos_token_id))
+        # A turn ends where vLLM and ChatSegments end it, whatever end tokens the given config lists.
+        self.eos_ids = end_of_turn_ids(tokenizer) | set(_as_list(generation_config.eos_token_id))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.prefix_cache = PrefixCache() if prefix_cache else None
+        self.in_lockstep = generates_in_lockstep(model)
 
     @torch.no_grad()
     def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
         if not contexts:
+            if self.in_lockstep:
+                self._step_with_the_other_ranks()
             return [], None
         device = next(self.model.parameters()).device
         reused = self.prefix_cache.reuse(contexts, self.pad_id) if self.prefix_cache else None
         cache, input_ids, attention_mask = reused or (None, *left_padded(contexts, self.pad_id))
         config = copy.deepcopy(self.generation_config)
         config.max_new_tokens = max(max_new_tokens)
+        config.eos_token_id = sorted(self.eos_ids)
         config.stop_strings = [stop] if stop else None
         config.return_dict_in_generate = True  # with the cache, for the next call
         output = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                     generation_config=config, tokenizer=self.tokenizer,
+                                     generation_config=config, tokenizer=self.tokenizer, synced_gpus=self.in_lockstep,
                                      **{GENERATE_CACHE_NAME: cache})
         sampled = []
         for row, limit in zip(output.sequences[:, input_ids.shape[1]:].tolist(), max_new_tokens):
@@ -114,6 +126,25 @@ class TransformersGenerator:
         if self.prefix_cache:
             self.prefix_cache.remember(output, attention_mask.to(device), contexts, sampled)
         return sampled, None
+
+    def _step_with_the_other_ranks(self) -> None:
+        """A generate call of a rank with no context, in lockstep with the ranks that have some; dropped."""
+        config = copy.deepcopy(self.generation_config)
+        config.max_new_tokens, config.min_new_tokens, config.stop_strings = 1, None, None
+        dummy = torch.tensor([[self.pad_id]], device=next(self.model.parameters()).device)
+        self.model.generate(input_ids=dummy, attention_mask=torch.ones_like(dummy), generation_config=config,
+                            synced_gpus=True)
+
+
+def generates_in_lockstep(model) -> bool:
+    """Whether model.generate steps in lockstep with the other ranks: transformers' default for `synced_gpus`
+    (DeepSpeed ZeRO-3 or an FSDP model, on more than one process)."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    several = torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+    return several and (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model))
 
 
 def left_padded(contexts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,14 +221,22 @@ class VLLMGenerator:
     """Sampling through TRL's vLLM backend (`use_vllm=True`, colocate or server mode); TRL syncs the
     weights before the rollout is called. Rehearsed on CPU with a fake vLLM (tests/fake_vllm).
 
-    TRL's server mode gathers every rank's prompts on rank 0, samples them all with rank 0's token
-    budget and hands each rank back the slice `rank * len(own prompts)`: correct only when every rank
-    sends the same number of prompts. Colocate mode with tensor parallelism slices the same way within
-    its group. Our dialogues end at different turns, so the ranks first agree on the largest count and
-    budget of the call; a rank with fewer contexts pads with one-token dummy prompts whose completions it
-    drops. When no rank has a context left, no rank calls vLLM (it would answer an empty request with no
-    choices). The agreement is a collective: every rank calls this the same number of times, which
-    the rollout's fixed loop of max_turns (and phases) guarantees."""
+    Each context is sampled with its own budget: TRL sends one `max_completion_length` for all the prompts
+    of a call (`max_tokens` of the server request, or of the one SamplingParams in colocate mode), and vLLM's
+    server refuses, with HTTP 400, a request in which any prompt is longer than max_model_len - max_tokens,
+    while a long context near the end of its dialogue has a small budget (rollout.py: min(budget, room left)).
+    So TRL is called once per distinct budget, with the contexts that have it.
+
+    TRL's server mode gathers every rank's prompts on rank 0, samples them all with rank 0's settings
+    and hands each rank back the slice `rank * len(own prompts)`: correct only when every rank sends
+    the same number of prompts. Colocate mode with tensor parallelism slices the same way within its
+    group. Our dialogues end at different turns, so the ranks first agree on the union of their budgets
+    and, for each budget, on the largest number of contexts a rank has with it; every rank then makes
+    the same calls, one per budget in increasing order, and a rank with fewer contexts of that budget
+    pads with one-token dummy prompts whose completions it drops. When no rank has a context left, no
+    rank calls vLLM (it would answer an empty request with no choices). The agreement is a collective:
+    every rank calls this the same number of times, which the rollout's fixed loop of max_turns (and
+    phases) guarantees."""
 
     def __init__(self, trainer):
         self.generation = trainer.vllm_generation
@@ -206,10 +245,18 @@ class VLLMGenerator:
     def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
         from accelerate.utils import gather_object
 
-        shapes = gather_object([(len(contexts), max(max_new_tokens, default=0))])  # one (count, budget) per rank
-        count, budget = max(n for n, _ in shapes), max(b for _, b in shapes)
-        if count == 0:
-            return [], None
+        counts = gather_object([collections.Counter(max_new_tokens)])  # per rank: contexts per budget
+        sampled, sampled_logprobs = [None] * len(contexts), [None] * len(contexts)
+        for budget in sorted(set().union(*counts)):
+            rows = [row for row, limit in enumerate(max_new_tokens) if limit == budget]
+            count = max(rank_counts[budget] for rank_counts in counts)
+            completions = self._generate([contexts[row] for row in rows], count, budget, stop)
+            for row, (ids, token_logprobs) in zip(rows, completions):
+                sampled[row], sampled_logprobs[row] = ids, token_logprobs
+        return sampled, sampled_logprobs
+
+    def _generate(self, contexts: list[list[int]], count: int, budget: int, stop: str | None) -> list[tuple]:
+        """(ids, logprobs) of each context, from one TRL call that every rank makes with `count` prompts."""
         padded = contexts + [self.dummy_prompt] * (count - len(contexts))
         # Both are read from these attributes at call time; the rollout cuts at `stop` afterwards anyway.
         self.generation.max_completion_length = budget
@@ -222,11 +269,8 @@ class VLLMGenerator:
             self.generation.generation_kwargs = base_kwargs
         if len(completion_ids) != count:
             raise RuntimeError(f"vLLM returned {len(completion_ids)} completions for {count} prompts")
-        sampled, sampled_logprobs = [], []
-        for ids, token_logprobs, limit in zip(completion_ids[:len(contexts)], logprobs[:len(contexts)], max_new_tokens):
-            sampled.append(list(ids)[:limit])
-            sampled_logprobs.append([lp[0] for lp in token_logprobs][:limit])  # the sampled token's logprob
-        return sampled, sampled_logprobs
+        return [(list(ids)[:budget], [lp[0] for lp in token_logprobs][:budget])  # the sampled token's logprob
+                for ids, token_logprobs in zip(completion_ids[:len(contexts)], logprobs[:len(contexts)])]
 
 
 class VLLMServerGenerator:
@@ -241,35 +285,67 @@ class VLLMServerGenerator:
         self.client.init_communicator()
         self.temperature = temperature
 
+    @torch.no_grad()
     def push_weights(self, model) -> None:
         """Every weight in ONE update session: vLLM rebuilds each layer touched in a session from what
         that session sent, so a fused layer (qkv_proj from q, k, v; gate_up_proj from gate, up) sent in
-        parts over several sessions would keep uninitialised memory for the parts sent elsewhere."""
-        is_peft = hasattr(model, "merge_adapter")
-        if is_peft:
-            model.merge_adapter()  # send base + LoRA as plain weights, under the base model's names
-        weights = []
+        parts over several sessions would keep uninitialised memory for the parts sent elsewhere.
+
+        A PEFT model is sent as plain weights under the base model's names, each LoRA layer's weight
+        merged out of place (base + the adapter's delta, one layer at a time as they stream): merging in
+        place and unmerging after would not give a bf16 base back exactly, and the frozen weights would
+        drift a little with every push."""
+        lora_layers = _lora_layers(model)  # None: not a PEFT model
+        weights = []  # (vLLM's name, the parameter, its LoRA layer or None)
         for name, parameter in model.named_parameters():
-            if is_peft:
-                if "lora_" in name:
-                    continue
-                name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            weights.append((name, parameter.data))
-        metadata = [(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)) for name, tensor in weights]
-        self.client.update_named_params(metadata, iter(weights))
-        if is_peft:
-            model.unmerge_adapter()
+            if lora_layers is None:
+                weights.append((name, parameter, None))
+            elif "lora_" not in name:
+                base_name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                weights.append((base_name, parameter, lora_layers.get(name)))
+        metadata = [(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)) for name, tensor, _ in weights]
+        self.client.update_named_params(metadata, ((name, _merged_weight(parameter, layer))
+                                                   for name, parameter, layer in weights))
         self.client.reset_prefix_cache()
 
     def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
+        """One request per distinct budget: a request has one max_tokens, and vLLM's server refuses (HTTP 400)
+        a request in which any prompt is longer than max_model_len - max_tokens (VLLMGenerator's docstring)."""
         if not contexts:
             return [], None
-        output = self.client.generate(
-            prompts=contexts, n=1, temperature=self.temperature, max_tokens=max(max_new_tokens), logprobs=0,
-            generation_kwargs={"stop": [stop], "include_stop_str_in_output": True} if stop else None)
-        sampled = [list(ids)[:limit] for ids, limit in zip(output["completion_ids"], max_new_tokens)]
-        logprobs = [[lp[0] for lp in seq][:limit] for seq, limit in zip(output["logprobs"], max_new_tokens)]
+        sampled, logprobs = [None] * len(contexts), [None] * len(contexts)
+        for budget in sorted(set(max_new_tokens)):
+            rows = [row for row, limit in enumerate(max_new_tokens) if limit == budget]
+            output = self.client.generate(
+                prompts=[contexts[row] for row in rows], n=1, temperature=self.temperature, max_tokens=budget,
+                logprobs=0, generation_kwargs={"stop": [stop], "include_stop_str_in_output": True} if stop else None)
+            for row, ids, token_logprobs in zip(rows, output["completion_ids"], output["logprobs"], strict=True):
+                sampled[row] = list(ids)[:budget]
+                logprobs[row] = [lp[0] for lp in token_logprobs][:budget]  # the sampled token's logprob
         return sampled, logprobs
+
+
+def _lora_layers(model) -> dict | None:
+    """{name of a base weight: its LoRA layer} of a PEFT model (adapters not merged into the base), else None."""
+    if not hasattr(model, "peft_config"):
+        return None
+    from peft.tuners.lora import LoraLayer
+
+    return {f"{name}.base_layer.weight": module for name, module in model.named_modules()
+            if isinstance(module, LoraLayer) and not module.merged and not module.disable_adapters}
+
+
+def _merged_weight(weight: torch.Tensor, lora_layer) -> torch.Tensor:
+    """The weight with its LoRA layer's active adapters added as peft's merge adds them, in a new tensor."""
+    merged = weight.detach()
+    for adapter in lora_layer.active_adapters if lora_layer is not None else []:
+        if adapter not in lora_layer.lora_A:
+            continue
+        if adapter in lora_layer.lora_variant or lora_layer.lora_bias[adapter]:
+            raise ValueError(f"adapter {adapter!r}: only plain LoRA weights can be pushed to vLLM "
+                             "(no DoRA, no lora_bias)")
+        merged = (merged + lora_layer.get_delta_weight(adapter)).to(weight.dtype)
+    return merged
 
 
 class VLLMEngineGenerator:
@@ -328,7 +404,7 @@ def load_generator(args, folder: str, tokenizer):
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
         if args.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     return TransformersGenerator(model, tokenizer, GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id, **sampling))
+        eos_token_id=sorted(end_of_turn_ids(tokenizer)), pad_token_id=pad_id, **sampling))
 
 
 @contextmanager
@@ -339,6 +415,10 @@ def trainer_generator(trainer, prefix_cache: bool = True):
         return
     from trl.models.utils import unwrap_model_for_generation
 
+    # As TRL's GRPOTrainer calls it: gradient checkpointing, off while generating, comes back with the run's
+    # own kwargs (use_reentrant...), not transformers' defaults.
     with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
-                                     gather_deepspeed3_params=trainer.args.ds3_gather_for_generation) as model:
+                                     gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                                     generation_kwargs=getattr(trainer, "generation_kwargs", None),
+                                     gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs) as model:
         yield TransformersGenerator(model, trainer.processing_class, trainer.generation_config, prefix_cache)

@@ -51,8 +51,9 @@ vLLM (`use_vllm`, generation only; the recipes colocate it with the trainer on e
   clipped (or zeroed, in the `*_mask` modes).
 - `--vllm_enable_sleep_mode` is allowed but warned about: TRL puts the engine to sleep (weights and
   KV cache discarded) after every generate call and re-pushes all the policy's weights before the
-  next, and a multi-turn rollout calls generate once per turn and phase (up to 2 x max_turns a
-  step), so every call pays a full weight sync and a prefill of the whole context.
+  next, and a multi-turn rollout calls generate once per turn, phase and distinct token budget (at
+  least 2 x max_turns a step with --think; a context near max_dialogue_tokens has a smaller budget and
+  its own call), so every call pays a full weight sync and a prefill of the whole context.
 
 Logged every step (README "Metrics"): reward; emotion/final_mean, emotion/success_rate (final =
 100), emotion/failure_rate (final < 10), emotion/after_turn_k; dialogue/turns_mean,
@@ -223,8 +224,8 @@ def check_setup(argv: list[str], training_args: GRPOConfig) -> None:
     if training_args.use_vllm and training_args.vllm_enable_sleep_mode:
         warnings.warn("--vllm_enable_sleep_mode: TRL discards vLLM's weights and KV cache after every generate call "
                       "and pushes all the policy's weights again before the next; the rollout calls generate once "
-                      "per turn (twice with --think), so each call pays a full weight sync and a prefill of the "
-                      "whole dialogue. Leave it off unless memory forces it (lower vllm_gpu_memory_utilization or "
+                      "per turn (twice with --think, more where token budgets differ), so each call pays a full "
+                      "weight sync and a prefill of the whole dialogue. Leave it off unless memory forces it (lower vllm_gpu_memory_utilization or "
                       "max_dialogue_tokens first)")
 
 

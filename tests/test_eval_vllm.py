@@ -217,3 +217,23 @@ def test_the_sentient_command_line_passes_top_p_and_each_context_gets_its_own_co
     calls = [e for e in events if e["event"] == "generate_call"]
     assert calls and all(verdict == "own" for call in calls for verdict in call["verdicts"])
     assert {top_p for e in events if e["event"] == "LLM_generate" for top_p in e["top_p"]} == {0.95}
+
+
+# --------------------------------------------------------------------------------------------
+# The fake engine's lengths, as vLLM 0.31's
+# --------------------------------------------------------------------------------------------
+
+def test_the_fake_engine_refuses_a_prompt_filling_max_model_len_and_cuts_a_completion_at_it(tiny_model_dir, vllm_log):
+    """vLLM 0.31's LLM.generate (the evaluations' --use_vllm, TRL's colocate mode) refuses a prompt of
+    max_model_len tokens or more with its VLLMValidationError (no ValueError), and otherwise stops a
+    completion where prompt + completion reach max_model_len, whatever max_tokens asked: unlike its
+    server, it refuses no prompt for max_tokens (tests/fake_vllm/vllm/_fakegen.py)."""
+    from vllm import LLM, SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    llm = LLM(model=str(tiny_model_dir), max_model_len=40)
+    [output] = llm.generate([{"prompt_token_ids": [7] * 38}], SamplingParams(max_tokens=30), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 2 and output.outputs[0].finish_reason == "length"
+    with pytest.raises(VLLMValidationError, match="prompt"):
+        llm.generate([{"prompt_token_ids": [7] * 40}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert not issubclass(VLLMValidationError, ValueError)

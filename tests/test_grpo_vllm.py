@@ -1,11 +1,14 @@
 """GRPO's vLLM paths rehearsed on CPU: TRL's real VLLMGeneration and VLLMClient on 2 gloo ranks, against the fake
-vllm of tests/fake_vllm (its `LLM` for colocate mode, its `trl vllm-serve` for server mode)."""
+vllm of tests/fake_vllm (its `LLM` for colocate mode, its `trl vllm-serve` for server mode); and its path without
+vLLM, the trainer's own model, down to DeepSpeed ZeRO-3 on 2 CPU ranks."""
 import collections
 import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import free_port
@@ -15,18 +18,51 @@ REPO = TESTS.parent
 FAKE = TESTS / "fake_vllm"
 
 
-@pytest.fixture
-def fake_server(tiny_model_dir, tmp_path):
-    """The fake `trl vllm-serve` on 127.0.0.1; yields (base URL, port, its request log)."""
-    port, log = free_port(), tmp_path / "server.log"
-    server = subprocess.Popen([sys.executable, str(FAKE / "server.py"), "--port", str(port), "--model",
-                               str(tiny_model_dir), "--log", str(log)], stdout=subprocess.PIPE, text=True)
+@contextmanager
+def serving(model_dir, log: Path, max_model_len: int | None = None):
+    """The fake `trl vllm-serve` on 127.0.0.1 (`--max_model_len` as vLLM's); yields its base URL."""
+    port = free_port()
+    command = [sys.executable, str(FAKE / "server.py"), "--port", str(port), "--model", str(model_dir),
+               "--log", str(log), *(["--max_model_len", str(max_model_len)] if max_model_len else [])]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().strip() == "ready"
-        yield f"http://127.0.0.1:{port}", port, log
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.kill()
         server.wait()
+
+
+@pytest.fixture
+def fake_server(tiny_model_dir, tmp_path):
+    """The fake `trl vllm-serve`, max_model_len the model's; yields (base URL, port, its request log)."""
+    log = tmp_path / "server.log"
+    with serving(tiny_model_dir, log) as url:
+        yield url, int(url.rsplit(":", 1)[1]), log
+
+
+def server_events(log: Path, event: str) -> list[dict]:
+    return [row for row in map(json.loads, log.read_text().splitlines()) if row["event"] == event]
+
+
+def test_the_fake_server_refuses_a_prompt_longer_than_max_model_len_minus_max_tokens_as_vllm_does(tiny_model_dir,
+                                                                                                    tmp_path):
+    """vLLM 0.31's /v1/completions checks each prompt against max_model_len - max_tokens (its renderer's
+    TokenizeParams._token_len_check) and answers HTTP 400; a prompt that fits exactly is served."""
+    import requests
+
+    def status(prompts, max_tokens):
+        response = requests.post(f"{url}/v1/completions", json={"model": "fake-policy", "prompt": prompts,
+                                                                "max_tokens": max_tokens, "return_token_ids": True})
+        return response.status_code
+
+    with serving(tiny_model_dir, tmp_path / "server.log", max_model_len=40) as url:
+        assert status([[7] * 30], 10) == 200  # 30 + 10 = max_model_len: the boundary vLLM accepts
+        assert status([[7] * 31], 10) == 400
+        assert status([[7] * 5, [7] * 31], 10) == 400  # any prompt of the request
+        assert status([[7] * 5], 41) == 400  # max_tokens alone past max_model_len
+    refused = server_events(tmp_path / "server.log", "completions_refused")
+    assert [(row["longest_prompt"], row["max_tokens"]) for row in refused] == [(31, 10), (31, 10), (5, 41)]
 
 
 def two_ranks(*arguments, env=None, timeout=400) -> subprocess.CompletedProcess:
@@ -42,22 +78,27 @@ def case_results(finished: subprocess.CompletedProcess, out_dir: Path) -> list[d
 
 
 def assert_every_rank_got_its_own_completions(results: list[dict]) -> None:
-    assert len(results) == 12  # 6 cases x 2 ranks
+    assert len(results) == 14  # 7 cases x 2 ranks
     for result in results:
         assert "raised" not in result, result
         assert result["completions"] == result["contexts"], result
         assert set(result["verdicts"]) <= {"own"} and result["logprobs_aligned"], result
 
 
-def test_server_mode_gives_each_rank_its_own_completions_when_ranks_hold_different_numbers(fake_server,
-                                                                                           tiny_model_dir, tmp_path):
-    url, _, log = fake_server
-    assert_every_rank_got_its_own_completions(case_results(
-        two_ranks(TESTS / "vllm_ranks.py", tmp_path, "server", 1, tiny_model_dir, url), tmp_path))
-    calls = [json.loads(line) for line in log.read_text().splitlines()]
-    completions = [call for call in calls if call["event"] == "completions"]
-    assert len(completions) == 5  # the call in which every dialogue had ended never reached the server
-    assert all(call["n_prompts"] > 0 for call in completions)
+def test_server_mode_gives_each_rank_its_own_completions_with_its_own_budget(tiny_model_dir, tmp_path):
+    """The ranks hold different numbers of contexts with different budgets (tests/vllm_ranks.py), the server
+    runs at max_model_len 64 and a 50-token context has a budget of 10 beside others of 30: each budget gets its
+    own request, which no rank's 50-token context makes overshoot, and each rank its own completions."""
+    log = tmp_path / "server.log"
+    with serving(tiny_model_dir, log, max_model_len=64) as url:
+        assert_every_rank_got_its_own_completions(case_results(
+            two_ranks(TESTS / "vllm_ranks.py", tmp_path, "server", 1, tiny_model_dir, url), tmp_path))
+    assert not server_events(log, "completions_refused")
+    completions = server_events(log, "completions")
+    # one request per distinct budget of a call, in increasing order; none for the call in which every
+    # dialogue had ended
+    assert [call["max_tokens"] for call in completions] == [30, 30, 30, 30, 3, 30, 10, 12, 30]
+    assert [call["n_prompts"] for call in completions] == [4, 4, 4, 4, 4, 4, 2, 2, 4]  # 2 a rank, dummies padding
 
 
 def test_colocate_mode_with_tensor_parallelism_gives_each_rank_its_own_completions(tiny_model_dir, tmp_path):
@@ -74,18 +115,18 @@ def grpo_command(tiny_model_dir, output_dir, *flags):
             "--num_generations", "2", "--per_device_train_batch_size", "4", "--use_vllm", "--use_cpu", "true", *flags]
 
 
-def test_grpo_in_server_mode_trains_on_two_ranks_whose_dialogues_end_at_different_turns(fake_server, tiny_model_dir,
-                                                                                        tmp_path):
-    url, _, _ = fake_server
+def test_grpo_in_server_mode_trains_on_two_ranks_whose_dialogues_end_at_different_turns(tiny_model_dir, tmp_path):
     log = tmp_path / "client.log"
     # The fake's replies (up to 24 random tokens, garbled to the rule user: -10 a turn from 30, so gone by the
     # 3rd turn) against a 240-token dialogue budget that the longer openings reach first: dialogues end at
-    # different turns on each rank, and all of them before the 6th turn. The fake server's fixed seed makes
-    # the run reproducible.
-    finished = two_ranks(*grpo_command(tiny_model_dir, tmp_path / "run", "--max_steps", "2", "--max_turns", "6",
-                                       "--max_reply_tokens", "24", "--max_dialogue_tokens", "240", "--vllm_mode",
-                                       "server", "--vllm_server_base_url", url),
-                         env={"FAKE_VLLM_LOG": str(log)})
+    # different turns on each rank, and all of them before the 6th turn. The server's max_model_len is the
+    # dialogue budget, so a request overshooting it is refused. The fake server's fixed seed makes the run
+    # reproducible.
+    with serving(tiny_model_dir, tmp_path / "server.log", max_model_len=240) as url:
+        finished = two_ranks(*grpo_command(tiny_model_dir, tmp_path / "run", "--max_steps", "2", "--max_turns", "6",
+                                           "--max_reply_tokens", "24", "--max_dialogue_tokens", "240", "--vllm_mode",
+                                           "server", "--vllm_server_base_url", url),
+                             env={"FAKE_VLLM_LOG": str(log)})
     assert finished.returncode == 0, finished.stderr[-3000:]
     calls = generate_calls(log)
     assert calls and all(set(call["verdicts"]) <= {"own"} and call["logprobs_ok"] is not False for call in calls)
@@ -140,3 +181,110 @@ def test_turn_credit_on_two_ranks_compares_each_turn_with_its_whole_group_across
     history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
     [logged] = [entry["turn_credit/mean_abs_term"] for entry in history if "turn_credit/mean_abs_term" in entry]
     assert expected > 0 and logged == pytest.approx(expected, rel=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# Without vLLM: the trainer's own model generates (generation.trainer_generator)
+# --------------------------------------------------------------------------------------------
+
+def grpo_trainer(model, accelerator, tokenizer, **args):
+    """What trainer_generator reads of TRL's GRPOTrainer."""
+    from transformers import GenerationConfig
+
+    sampling = GenerationConfig(do_sample=True, top_k=0, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id)
+    return SimpleNamespace(model_wrapped=model, accelerator=accelerator, processing_class=tokenizer,
+                           generation_config=sampling,
+                           args=SimpleNamespace(**{"use_vllm": False, "ds3_gather_for_generation": True,
+                                                   "gradient_checkpointing_kwargs": None, **args}))
+
+
+def test_gradient_checkpointing_comes_back_after_a_rollout_with_the_runs_own_kwargs(tiny_model_dir):
+    """TRL turns checkpointing off while generating and back on after; GRPOTrainer passes the run's
+    gradient_checkpointing_kwargs, else transformers' defaults (use_reentrant=False) would replace them."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import generation
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    kwargs = {"use_reentrant": True}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    trainer = grpo_trainer(model, Accelerator(cpu=True), tokenizer, gradient_checkpointing_kwargs=kwargs)
+    with generation.trainer_generator(trainer) as generate:
+        assert not model.model.layers[0].gradient_checkpointing  # off while generating
+        generate([[1, 2, 3]], [2])
+    layer = model.model.layers[0]
+    assert layer.gradient_checkpointing and layer._gradient_checkpointing_func.keywords == kwargs
+
+
+ZERO3_ROLLOUT = '''"""generation.trainer_generator under DeepSpeed ZeRO-3 on 2 CPU ranks (gloo), weights gathered
+for generation, then not: rank 0 holds 2 contexts in each of 3 calls, rank 1 only in the first (its dialogues then
+ended). Each rank saves the lengths it sampled in each call and its model's forward passes to argv[2].rank<N>."""
+import json
+import sys
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+from accelerate import Accelerator, InitProcessGroupKwargs
+from accelerate.state import PartialState
+from accelerate.utils import DeepSpeedPlugin
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.integrations import HfDeepSpeedConfig
+
+import generation
+
+find_backend = PartialState._prepare_backend
+
+
+def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+    found, distributed_type = find_backend(self, cpu, sagemaker_dp, backend)
+    return found or "gloo", distributed_type  # accelerate finds no backend without a GPU
+
+
+PartialState._prepare_backend = prepare_backend
+model_dir, output = sys.argv[1], sys.argv[2]
+config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+          "zero_allow_untested_optimizer": True}
+accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config),
+                          kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=40))])
+zero3 = HfDeepSpeedConfig(config)  # as GRPOTrainer's arguments set it: transformers then generates in lockstep
+rank = accelerator.process_index
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForCausalLM.from_pretrained(model_dir)
+forwards = [0]
+model.register_forward_hook(lambda *args: forwards.__setitem__(0, forwards[0] + 1))
+engine, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+calls = []
+for gather in (True, False):
+    sampling = GenerationConfig(do_sample=True, top_k=0, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id)
+    trainer = SimpleNamespace(model_wrapped=engine, accelerator=accelerator, processing_class=tokenizer,
+                              generation_config=sampling, args=SimpleNamespace(
+                                  use_vllm=False, ds3_gather_for_generation=gather, gradient_checkpointing_kwargs=None))
+    with generation.trainer_generator(trainer) as generate:
+        for call in range(3):
+            contexts = [[1, 2, 3, 100 + call], [4, 5, 100 + call]] if rank == 0 or call == 0 else []
+            sampled, _ = generate(contexts, [6] * len(contexts))
+            calls.append([len(ids) for ids in sampled])
+accelerator.wait_for_everyone()
+with open(f"{output}.rank{rank}", "w") as out:
+    json.dump({"calls": calls, "forwards": forwards[0]}, out)
+'''
+
+
+def test_under_zero3_a_rank_whose_dialogues_ended_keeps_generating_in_step_with_the_others(tiny_model_dir, tmp_path):
+    """Under ZeRO-3 transformers generates in lockstep (synced_gpus: the ranks agree each step whether all are
+    done, and without gathered weights each forward pass gathers the shards): a rank that skipped generate
+    once its dialogues ended would leave the others waiting forever. With weights gathered and without, both
+    ranks make the same forward passes and rank 0 gets its completions."""
+    (tmp_path / "rollout.py").write_text(ZERO3_ROLLOUT)
+    finished = two_ranks(tmp_path / "rollout.py", tiny_model_dir, tmp_path / "out", timeout=240,
+                         env={"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)})
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"out.rank{rank}").read_text()) for rank in (0, 1)]
+    assert ranks[0]["forwards"] == ranks[1]["forwards"] > 0
+    assert all(len(lengths) == 2 and all(0 < n <= 6 for n in lengths) for lengths in ranks[0]["calls"])
+    assert ranks[1]["calls"][1:3] == ranks[1]["calls"][4:6] == [[], []]

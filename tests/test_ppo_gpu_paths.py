@@ -547,3 +547,96 @@ def test_a_bf16_full_fine_tune_without_deepspeed_is_refused(tiny_model_dir, tmp_
                               capture_output=True, text=True, timeout=120)
     assert finished.returncode != 0 and "Traceback" not in finished.stderr
     assert "needs fp32 master weights" in finished.stderr and "zero2.yaml" in finished.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM server, sampling and weights: each context its own budget, LoRA pushed without touching the base
+# --------------------------------------------------------------------------------------------
+
+def test_a_think_rollout_filling_max_model_len_sends_no_request_vllm_refuses(tiny_model_dir, tmp_path, monkeypatch):
+    """8 think-mode dialogues with a patient rule user, played to max_dialogue_tokens = the server's
+    max_model_len (400), as the recipes run vLLM: near the end a long context's budget is the room left,
+    and vLLM 0.31 refuses (HTTP 400) a request in which any prompt is longer than max_model_len - max_tokens,
+    so each budget goes in its own request (the fake server refuses as vLLM does)."""
+    from transformers import AutoTokenizer
+    from trl.generation import vllm_client
+
+    import generation
+    import rollout
+    import simulator
+
+    # TRL's real client over HTTP, without vLLM installed here and without the CUDA-only weight channel
+    monkeypatch.setattr(vllm_client, "is_vllm_available", lambda *args, **kwargs: True)
+    monkeypatch.setattr(vllm_client.VLLMClient, "init_communicator", lambda self, device=0: None)
+    port, log = free_port(), tmp_path / "server.log"
+    server = subprocess.Popen([sys.executable, str(FAKE / "server.py"), "--port", str(port), "--model",
+                               str(tiny_model_dir), "--log", str(log), "--max_model_len", "400"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        generate = generation.VLLMServerGenerator("127.0.0.1", port, temperature=1.0)
+        runner = rollout.DialogueRunner(AutoTokenizer.from_pretrained(tiny_model_dir), rollout.DialogueArguments(
+            think=True, max_turns=8, max_think_tokens=64, max_reply_tokens=32, max_dialogue_tokens=400),
+            simulator.SimulatorArguments(change_bound=2))
+        profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES)[:8]
+        openings = runner.openings(profiles)
+        dialogues = runner.run([(profile, openings[profile.id]) for profile in profiles], generate)
+        runner.close()
+    finally:
+        server.kill()
+        server.wait()
+    assert not [row for row in json_lines(log) if row["event"] == "completions_refused"]
+    assert {dialogue.end_reason for dialogue in dialogues} == {"token_budget"}  # every dialogue filled its 400
+    requests = [row for row in json_lines(log) if row["event"] == "completions"]
+    assert len({row["max_tokens"] for row in requests}) > 2  # budgets below 64 and 32: the room left
+
+
+class RecordingClient:
+    """Stands in for TRL's VLLMClient in push_weights: keeps a copy of what each push sent."""
+
+    def __init__(self, host=None, server_port=None, connection_timeout=None):
+        self.pushes = []
+
+    def init_communicator(self, device=0):
+        pass
+
+    def update_named_params(self, metadata, named_params):
+        sent = {name: tensor.clone() for name, tensor in named_params}
+        assert [(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape))
+                for name, tensor in sent.items()] == metadata
+        self.pushes.append(sent)
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def test_pushing_lora_weights_sends_the_merged_weights_and_leaves_the_bf16_base_bit_identical(tiny_model_dir,
+                                                                                              monkeypatch):
+    """Merging the adapter in place and unmerging it after rounds a bf16 base differently each time: the
+    frozen weights would drift with every push. 20 pushes must leave every weight as it was and send,
+    each time, what peft's merge gives."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl.generation import vllm_client
+
+    import generation
+
+    monkeypatch.setattr(vllm_client, "VLLMClient", RecordingClient)
+    torch.manual_seed(0)
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16),
+                            LoraConfig(r=4, lora_alpha=8, init_lora_weights=False))  # lora_B non-zero
+    before = {name: parameter.detach().clone() for name, parameter in policy.named_parameters()}
+    merged = dict(copy.deepcopy(policy).merge_and_unload().named_parameters())
+    server = generation.VLLMServerGenerator("127.0.0.1", 8000, temperature=1.0)
+    for _ in range(20):
+        server.push_weights(policy)
+    for name, parameter in policy.named_parameters():
+        assert torch.equal(parameter, before[name]), name
+    pushes = server.client.pushes
+    assert len(pushes) == 20 and set(pushes[0]) == set(merged)
+    base = {name.removeprefix("base_model.model.").replace(".base_layer", ""): weight
+            for name, weight in before.items() if "lora_" not in name}
+    assert any(not torch.equal(merged[name], base[name]) for name in merged)  # the adapter changes some weights
+    for sent in (pushes[0], pushes[-1]):
+        for name, weight in merged.items():
+            assert sent[name].dtype == torch.bfloat16 and torch.equal(sent[name], weight), name

@@ -3,8 +3,8 @@
     python -m torch.distributed.run --nproc_per_node 2 tests/vllm_ranks.py OUT_DIR MODE TP MODEL [SERVER_URL]
 
 MODE is server (against tests/fake_vllm/server.py) or colocate (the fake vllm.LLM, tensor_parallel_size TP).
-Each case gives every rank its own number of contexts and token budget, as dialogues that end at different
-turns do. Contexts are unique per rank and the fake's first sampled token names its context, so each rank
+Each case gives every rank its own contexts, each with its own length and token budget, as dialogues that end at
+different turns do. Contexts are unique per rank and the fake's first sampled token names its context, so each rank
 checks it got its own completion at its own length; each rank writes one JSON line per case to
 OUT_DIR/rank<N>.jsonl (a file each: the ranks' printed lines could interleave)."""
 import json
@@ -22,13 +22,17 @@ from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 import generation  # noqa: E402
 from vllm._fakegen import EOS, tag  # noqa: E402
 
-CASES = [  # (contexts per rank, budget per rank)
-    ([2, 2], [30, 30]),  # equal counts: the control
-    ([2, 1], [30, 30]),  # a dialogue of rank 1 has ended
-    ([1, 2], [30, 30]),  # a dialogue of rank 0 has ended
-    ([0, 2], [30, 30]),  # every dialogue of rank 0 has ended
-    ([2, 2], [3, 30]),  # rank 0's dialogues are near their token budget
-    ([0, 0], [30, 30]),  # every dialogue has ended before max_turns
+SHORT, LONG = 4, 50  # context lengths; the server test runs the fake at max_model_len 64
+CASES = [  # per rank, one (context length, budget) per context
+    ([(SHORT, 30)] * 2, [(SHORT, 30)] * 2),  # equal counts: the control
+    ([(SHORT, 30)] * 2, [(SHORT, 30)]),  # a dialogue of rank 1 has ended
+    ([(SHORT, 30)], [(SHORT, 30)] * 2),  # a dialogue of rank 0 has ended
+    ([], [(SHORT, 30)] * 2),  # every dialogue of rank 0 has ended
+    ([(SHORT, 3)] * 2, [(SHORT, 30)] * 2),  # rank 0's dialogues are near their token budget
+    ([], []),  # every dialogue has ended before max_turns
+    # A long dialogue near its end with a small budget beside short ones with large budgets, budgets differing
+    # within and across ranks: 50 + 30 tokens would pass max_model_len 64, so each needs its own request.
+    ([(LONG, 10), (SHORT, 30)], [(SHORT, 12), (SHORT, 30), (SHORT, 30)]),
 ]
 
 out_dir, mode, tensor_parallel_size, model_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -40,19 +44,21 @@ trl_generation = VLLMGeneration(model=AutoModelForCausalLM.from_pretrained(model
                                 server_base_url=sys.argv[5] if mode == "server" else None, max_completion_length=16,
                                 logprobs=0)
 generate = generation.VLLMGenerator(SimpleNamespace(vllm_generation=trl_generation))
-for case, (counts, budgets) in enumerate(CASES):
-    count, budget = counts[rank], budgets[rank]
-    contexts = [[1, 2, 3, 1000 + 100 * rank + 10 * case + i] for i in range(count)]
-    result = {"case": case, "rank": rank, "contexts": count}
+for case, per_rank in enumerate(CASES):
+    shapes = per_rank[rank]
+    contexts = [[1] * (length - 1) + [1000 + 100 * rank + 10 * case + i] for i, (length, _) in enumerate(shapes)]
+    budgets = [budget for _, budget in shapes]
+    result = {"case": case, "rank": rank, "contexts": len(contexts)}
     try:
-        sampled, logprobs = generate(contexts, [budget] * count)
+        sampled, logprobs = generate(contexts, budgets)
     except Exception as error:  # noqa: BLE001  (reported, then the test fails on it)
         result["raised"] = f"{type(error).__name__}: {error}"
     else:
         result["completions"] = len(sampled)
         result["verdicts"] = ["other's" if ids[:1] != [tag(context)] else
-                              "cut" if len(ids) < budget and ids[-1] != EOS else "own"
-                              for context, ids in zip(contexts, sampled)]
+                              "cut" if len(ids) < budget and ids[-1] != EOS else
+                              "over budget" if len(ids) > budget else "own"
+                              for context, budget, ids in zip(contexts, budgets, sampled)]
         result["logprobs_aligned"] = logprobs is None or [len(lp) for lp in logprobs] == [len(ids) for ids in sampled]
     with open(os.path.join(out_dir, f"rank{rank}.jsonl"), "a") as out:
         out.write(json.dumps(result) + "\n")

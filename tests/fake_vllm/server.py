@@ -3,7 +3,9 @@
     python tests/fake_vllm/server.py --port 8000 --model TINY_MODEL_DIR --log server.log   # prints "ready"
 
 Endpoints as TRL 1.16's VLLMClient uses them. /v1/completions follows vLLM 0.31: `prompt: []` parses as
-zero prompts and answers `choices: []`. Weight updates are checked against the model's checkpoint names
+zero prompts and answers `choices: []`; a request in which any prompt is longer than max_model_len - max_tokens
+(--max_model_len, default the model's max_position_embeddings, as `vllm serve --max-model-len`) is refused with
+HTTP 400 (vllm/_fakegen.py: check_completion_request). Weight updates are checked against the model's checkpoint names
 and shapes; on /finish_weight_update, each round is judged with vLLM's layerwise-reload rule (0.31 and 0.33 alike)
 (vllm/model_executor/model_loader/reload/layerwise.py): a fused layer (qkv_proj <- q,k,v; gate_up_proj <-
 gate,up) that received some but not all of its shards in a round is materialized with torch.empty_strided
@@ -20,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the fake vllm package beside this file
 from vllm import _fakegen  # noqa: E402
-from vllm._fakegen import sample  # noqa: E402
+from vllm._fakegen import VLLMValidationError, check_completion_request, sample  # noqa: E402
 
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 
@@ -31,7 +33,7 @@ def fused_key(name):
 
 
 class State:
-    def __init__(self, model_dir, log_path):
+    def __init__(self, model_dir, log_path, max_model_len=None):
         from safetensors import safe_open
         self.expected = {}
         for f in Path(model_dir).glob("*.safetensors"):
@@ -44,7 +46,7 @@ class State:
             if fk:
                 self.members[fk[0]].add(fk[1])
         self.cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        self.max_model_len = self.cfg.get("max_position_embeddings", 2048)
+        self.max_model_len = max_model_len or self.cfg.get("max_position_embeddings", 2048)
         self.log_path = log_path
         self.lock = threading.Lock()
         self.round = None
@@ -143,6 +145,7 @@ def make_handler(state: State):
             max_tokens = body.get("max_tokens", 16)
             choices = []
             try:
+                check_completion_request(prompts, max_tokens, state.max_model_len)
                 for p in prompts:
                     for _ in range(n):
                         toks, lps, finish = sample(p, max_tokens, stop, state.max_model_len)
@@ -153,8 +156,11 @@ def make_handler(state: State):
                                   "text_offset": list(range(len(toks)))}
                         choices.append({"index": len(choices), "text": "", "token_ids": toks, "prompt_token_ids": p,
                                         "logprobs": lp, "finish_reason": finish})
-            except ValueError as error:
-                return self.reply(400, {"error": str(error)})
+            except VLLMValidationError as error:
+                state.log("completions_refused", n_prompts=len(prompts), max_tokens=max_tokens,
+                          longest_prompt=max(map(len, prompts), default=0), error=str(error))
+                return self.reply(400, {"error": {"message": str(error), "type": "BadRequestError",
+                                                  "param": error.parameter, "code": 400}})
             state.log("completions", n_prompts=len(prompts), max_tokens=max_tokens, stop=stop,
                       extra=sorted(k for k in body if k not in ("model", "prompt")))
             return self.reply(200, {"id": "cmpl-fake", "object": "text_completion", "model": "fake-policy",
@@ -169,11 +175,12 @@ if __name__ == "__main__":
     ap.add_argument("--model", required=True)
     ap.add_argument("--log", required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max_model_len", type=int, default=None)
     a = ap.parse_args()
     # A fixed stream: only rank 0 talks to the server, so a run's requests come in one order and the run is
     # reproducible; a test that needs dialogues ending at different turns then passes or fails every time.
     _fakegen._RNG.seed(a.seed)
-    st = State(a.model, a.log)
+    st = State(a.model, a.log, a.max_model_len)
     server = ThreadingHTTPServer(("127.0.0.1", a.port), make_handler(st))
     print("ready", flush=True)
     server.serve_forever()
