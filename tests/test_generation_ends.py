@@ -69,3 +69,14 @@ def test_a_generator_configured_with_the_tokenizers_end_token_alone_still_ends_w
         do_sample=True, top_k=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
     assert generate.eos_ids == {2, SECOND_END}
     assert first_turn(generate, tokenizer) == [SECOND_END]
+
+
+def test_the_ppo_rollout_ends_a_turn_at_every_end_token_of_the_generation_config(two_end_tokens_dir):
+    import rollout
+    import train_ppo
+
+    tokenizer = AutoTokenizer.from_pretrained(two_end_tokens_dir)
+    policy = emits_second_end_token(AutoModelForCausalLM.from_pretrained(two_end_tokens_dir))
+    generate = train_ppo.policy_generator(None, policy, tokenizer, train_ppo.PPOArguments(), rollout.DialogueArguments())
+    assert sorted(generate.generation_config.eos_token_id) == [SECOND_END, 2]
+    assert first_turn(generate, tokenizer) == [SECOND_END]
