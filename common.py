@@ -226,6 +226,38 @@ def check_output_file(path, option: str) -> None:
     check_output_folder(path.parent, option, given=path)
 
 
+def check_shared_folder(folder, accelerator, option: str = "output_dir") -> None:
+    """Refuse, on every rank at once, an output folder that some rank does not share with the main process:
+    on several nodes it must be on a filesystem all of them mount (NFS, Lustre, ...), as checkpoints hold
+    every rank's DeepSpeed shard and only the main process renames a finished one into place. Called on
+    every rank (an `Accelerator` or accelerate's `PartialState`); one process checks nothing. The main
+    process writes a marker named by a fresh token into the folder (creating the folder), hands the token
+    to the others (the broadcast also waits for the write), each says whether it sees the marker, and the
+    main process deletes it: a file write, two collectives, no file left behind."""
+    import uuid
+
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    if accelerator.num_processes == 1:
+        return
+    folder = Path(folder)
+    token = [None]
+    if accelerator.is_main_process:
+        token = [uuid.uuid4().hex]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f".shared-check-{token[0]}").write_text(socket.gethostname())
+    marker = folder / f".shared-check-{broadcast_object_list(token)[0]}"
+    # One entry a rank, in rank order: (host, sees the marker); gather_object joins the ranks' lists.
+    seen = gather_object([(socket.gethostname(), marker.is_file())])
+    if accelerator.is_main_process:
+        marker.unlink()
+    blind = [f"rank {rank} on {host}" for rank, (host, sees) in enumerate(seen) if not sees]
+    if blind:
+        raise InputError(f"--{option} {folder} is not on a filesystem shared by all nodes (what rank 0 on {seen[0][0]} "
+                         f"wrote there is not seen by {', '.join(blind)}): checkpoints and resume need one; give a "
+                         "folder every node mounts (NFS, Lustre, ...)")
+
+
 # --------------------------------------------------------------------------------------------
 # The OpenAI-compatible chat client: the simulator's endpoint, and the tested model's in the evaluations
 # --------------------------------------------------------------------------------------------

@@ -534,9 +534,12 @@ def keep_rows_before(path, step: int, what: str = "transcripts file") -> int:
             kept.append(row)
         else:
             dropped += 1
-    # A kill while writing leaves the old file whole; the name is the process's own, as every GRPO rank
-    # trims every rank's file (with the same result).
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    # A kill while writing leaves the old file whole. The name is the process's own, as every GRPO rank
+    # trims every rank's file (with the same result): its host's as well, as ranks on two nodes sharing the
+    # output folder can have the same process id.
+    import socket
+
+    partial = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.partial")
     partial.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in kept), encoding="utf-8")
     partial.replace(path)
     return dropped

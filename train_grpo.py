@@ -411,6 +411,8 @@ def main(argv: list[str] | None = None) -> None:
     profiles = {p.id: p for p in simulator.load_profiles(dialogue_args.profiles)}
     simulator.check_backend(profiles.values(), simulator_args)
     check_profile_count(len(profiles), dialogue_args.profiles, training_args)
+    # Several nodes: checkpoints hold every rank's DeepSpeed shard and resume reads them, so one folder for all.
+    common.check_shared_folder(training_args.output_dir, training_args.distributed_state)
 
     transcripts = Path(training_args.output_dir) / "transcripts.jsonl"
     if transcripts.exists() and not training_args.resume_from_checkpoint:

@@ -631,6 +631,7 @@ def main(argv=None) -> None:
     accelerator = Accelerator(log_with=None if args.report_to == "none" else args.report_to,
                               project_dir=str(output_dir))
     check_launch(args, accelerator)
+    common.check_shared_folder(output_dir, accelerator)  # several nodes: checkpoints need one folder for all
     transcripts, metrics_file = run_files(output_dir, accelerator)
     if transcripts.exists() and not args.resume:
         raise SystemExit(f"{output_dir} already holds a run; choose another --output_dir, delete it, or pass --resume")
