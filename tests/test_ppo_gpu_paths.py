@@ -451,22 +451,27 @@ def test_advantages_are_whitened_over_every_ranks_actions(uneven_updates, split)
 
 
 def lost_dialogues_server(rank_0_profile_at_step_2):
-    """An LLM simulator endpoint for 3 PPO steps on 2 ranks, 2 dialogues of 2 turns a rank: step 0 plays
-    cleanly; in step 1 one analysis call fails (no retries: its dialogue is lost, 1 of 4); in step 2 every
-    analysis of rank 0's profile fails (its 2 dialogues lost, 2 of 4: within max_failed_share 0.5)."""
+    """An LLM simulator endpoint for 3 PPO steps on 2 ranks, 2 dialogues of 2 turns a rank: in step 0 one
+    simulated user says goodbye after the first turn (its dialogue ends there, nothing fails); in step 1 one
+    analysis call fails (no retries: its dialogue is lost, 1 of 4); in step 2 every analysis of rank 0's
+    profile fails (its 2 dialogues lost, 2 of 4: within max_failed_share 0.5)."""
     import threading
 
     from fake_openai import FakeOpenAIServer
 
-    analyses, lock = [0], threading.Lock()
+    analyses, user_messages, lock = [0], [0], threading.Lock()
     name = rank_0_profile_at_step_2.player.split("\n")[0]  # "* Name: ...", in the simulator's prompts
 
     def respond(body):
-        if "CHANGE" not in body["messages"][-1]["content"]:  # an opening or a user message
-            return "Okay. It still hurts, though."
+        prompt = body["messages"][-1]["content"]
         with lock:
-            analyses[0] += 1
-            if analyses[0] == 2 * 2 * 2 + 1 or any(name in message["content"] for message in body["messages"]):
+            if "start the conversation" in prompt:  # an opening line
+                return "I had a rough week."
+            if "CHANGE" not in prompt:  # the user's next message; the first of the run says goodbye
+                user_messages[0] += 1
+                return "Thanks, I have to go now. Bye." if user_messages[0] == 1 else "Okay. It still hurts, though."
+            analyses[0] += 1  # step 0 makes 7: 3 dialogues of 2 turns, one of 1
+            if analyses[0] == 7 + 2 or any(name in message["content"] for message in body["messages"]):
                 return {"status": 500}
             return f"They listened to me.\nCHANGE: {analyses[0] % 7 - 2:+d}"
 
@@ -475,8 +480,8 @@ def lost_dialogues_server(rank_0_profile_at_step_2):
 
 def test_ppo_on_two_ranks_trains_through_lost_dialogues_and_per_turn_rows(tiny_model_dir, tmp_path):
     """The recipe's launch (ZeRO-2, full fine-tune, micro-batches of one row) with the paper's per-turn rows,
-    3 steps: ranks hold 4|4 rows, then 4|2 or 2|4 (a dialogue lost), then 0|4 (rank 0 lost both its
-    dialogues). Every step trains on both ranks, and the step's metrics (metrics.jsonl, the tracker's)
+    3 steps: ranks hold 3|4 or 4|3 rows (a dialogue ended after one turn), then 4|2 or 2|4 (a dialogue
+    lost), then 0|4 (rank 0 lost both its dialogues). Every step trains on both ranks, and the step's metrics (metrics.jsonl, the tracker's)
     are over both ranks' dialogues."""
     import rollout
     import simulator
@@ -492,6 +497,7 @@ def test_ppo_on_two_ranks_trains_through_lost_dialogues_and_per_turn_rows(tiny_m
     lost = [[sum(row["failure"] is not None for row in rows if row["step"] == step) for step in range(3)]
             for rows in transcripts]
     assert lost[0][1] + lost[1][1] == 1 and lost[0][0] == lost[1][0] == 0 and lost[0][2] == 2 and lost[1][2] == 0
+    assert sorted(row["turns"] for rows in transcripts for row in rows if row["step"] == 0) == [1, 2, 2, 2]
     metrics = json_lines(tmp_path / "run" / "metrics.jsonl")
     assert [row["step"] for row in metrics] == [0, 1, 2]
     for step, row in enumerate(metrics):
