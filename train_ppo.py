@@ -138,7 +138,9 @@ class PPOArguments:
     # Demo: one update per batch, as the GRPO demo makes. Two updates on halves (4 rows each) stayed
     # flat (35.2 +- 0.6 -> 34.2 +- 1.4 over 30 steps); one update gave +1.1 +- 1.3, and +5.0 +- 1.1
     # with --seed 1 (README).
-    minibatch_size: int = field(default=8, metadata={"help": "rows per optimizer step (demo: the whole batch)"})
+    minibatch_size: int = field(default=8, metadata={
+        "help": "rows per optimizer step, at most: a batch makes the fewest such steps, its rows shared out evenly "
+                "(demo: the whole batch)"})
     micro_batch_size: int | None = field(default=None, metadata={
         "help": "rows per forward and backward pass, gradients accumulated over a minibatch (default: minibatch_size)"})
     gamma: float = field(default=1.0, metadata={"help": "discount (paper: 1)"})
