@@ -9,10 +9,13 @@ policy's better samples, the ceiling a CPU demo is judged against (docs/learning
     python benchmarks/best_of_n.py --protocol train --n 16 --turns 2 --temperature 1.0 --max_reply_tokens 48
 
 Prints, for each n, the mean final emotion with its 95% bootstrap interval, and per turn the share of all
-candidates the rule user scored +5 or more, 0, and -5 or less; `--output` keeps one JSON line per n.
+candidates the rule user scored +5 or more, 0, and -5 or less, and its most frequent reasons (rule_user.py's
+keys: generic = could be said to anyone, ignored / stalling = heard but not what the need asks, ...);
+`--output` keeps one JSON line per n.
 """
 import argparse
 import asyncio
+import collections
 import sys
 import time
 from pathlib import Path
@@ -55,12 +58,14 @@ def best_of_n(generate, tokenizer, profiles, n: int, args) -> dict:
         if not active:
             break
         candidates = sample_replies(generate, tokenizer, system_prompt, active, n, args.max_reply_tokens)
-        turn_scores = []
+        turn_scores, turn_reasons = [], collections.Counter()
         for user, replies in zip(active, candidates):
-            scores = [user.score(reply)[0] for reply in replies]
+            judged = [user.score(reply) for reply in replies]
+            scores = [change for change, _ in judged]
             turn_scores += scores
+            turn_reasons.update(" + ".join(key for key, _, _ in reasons) for _, reasons in judged)
             asyncio.run(user.respond(replies[scores.index(max(scores))]))
-        scores_by_turn.append(turn_scores)
+        scores_by_turn.append((turn_scores, turn_reasons))
     finals = [user.emotion for user in users]
     low, high = eval_sentient.bootstrap_interval(finals, 2000)
     return {"n": n, "score": sum(finals) / len(finals), "interval": [low, high],
@@ -68,7 +73,8 @@ def best_of_n(generate, tokenizer, profiles, n: int, args) -> dict:
             "reached_100": sum(final >= simulator.FAREWELL_AT for final in finals),
             "per_turn": [{"candidates": len(scores), "share_plus5": sum(s >= 5 for s in scores) / len(scores),
                           "share_zero": sum(s == 0 for s in scores) / len(scores),
-                          "share_minus5": sum(s <= -5 for s in scores) / len(scores)} for scores in scores_by_turn]}
+                          "share_minus5": sum(s <= -5 for s in scores) / len(scores),
+                          "reasons": dict(reasons.most_common(6))} for scores, reasons in scores_by_turn]}
 
 
 def main() -> None:
@@ -111,7 +117,8 @@ def main() -> None:
               f"{result['failures']} below 10, {result['reached_100']} at 100, {result['seconds']} s")
         for turn, shares in enumerate(result["per_turn"], 1):
             print(f"  turn {turn}: {shares['candidates']} candidates, +5 or more {shares['share_plus5']:.0%}, "
-                  f"0 {shares['share_zero']:.0%}, -5 or less {shares['share_minus5']:.0%}")
+                  f"0 {shares['share_zero']:.0%}, -5 or less {shares['share_minus5']:.0%}; the rule user's reasons: "
+                  + ", ".join(f"{reason} {count}" for reason, count in shares["reasons"].items()))
         if args.output:
             common.append_json_lines(args.output, [result])
 
