@@ -1,0 +1,48 @@
+"""benchmarks/best_of_n.py, the ceiling docs/learning.md measures the demos against: at every turn the
+candidate the rule user scores highest is the one sent, and the per-turn shares count every candidate."""
+import asyncio
+import importlib.util
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+import simulator
+from reply_styles import warm_reply
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "best_of_n.py"
+ANYONE = "I see. Go on."  # could be said to anyone: the rule user takes 5 off for it
+
+
+def fresh_change(profile, reply: str) -> int:
+    """The emotion change a fresh benchmark user gives `reply` as the first reply, after its bound."""
+    user = simulator.make_simulator(profile, None, start_emotion=40, max_turns=1)
+    asyncio.run(user.open(profile.first_talk))
+    return max(-simulator.CHANGE_BOUND, min(simulator.CHANGE_BOUND, user.score(reply)[0]))
+
+
+@pytest.mark.slow
+def test_the_best_scoring_candidate_is_sent_whichever_place_it_was_sampled_in(packaged_model):
+    spec = importlib.util.spec_from_file_location("best_of_n", SCRIPT)
+    best_of_n = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(best_of_n)
+    tokenizer = AutoTokenizer.from_pretrained(packaged_model)
+    profiles = simulator.load_profiles(simulator.DEFAULT_BENCHMARK_PROFILES)[:2]
+    good = [warm_reply(profile, [profile.first_talk], 0) for profile in profiles]
+    assert all(fresh_change(profile, reply) > fresh_change(profile, ANYONE) for profile, reply in zip(profiles, good))
+    # n = 3 a dialogue: the warm reply sampled second, between two that could be said to anyone
+    texts = [text for reply in good for text in (ANYONE, reply, ANYONE)]
+    calls = []
+
+    def generate(contexts, budgets):
+        calls.append((len(contexts), set(budgets)))
+        return [tokenizer.encode(text) for text in texts], None
+
+    args = Namespace(policy_prompt="sentient", variant="vanilla", start_emotion=40, turns=1, max_reply_tokens=64)
+    result = best_of_n.best_of_n(generate, tokenizer, profiles, 3, args)
+    assert calls == [(6, {64})]  # one batched call: 2 dialogues x 3 candidates, each with the reply budget
+    expected = [40 + fresh_change(profile, reply) for profile, reply in zip(profiles, good)]
+    assert result["score"] == pytest.approx(sum(expected) / 2)  # the warm replies were the ones sent
+    turn = result["per_turn"][0]
+    assert turn["candidates"] == 6 and turn["share_minus5"] >= 4 / 6  # the four "anyone" replies
