@@ -12,6 +12,7 @@ import math
 import os
 import socket
 import sys
+import uuid
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -234,8 +235,6 @@ def check_shared_folder(folder, accelerator, option: str = "output_dir") -> None
     process writes a marker named by a fresh token into the folder (creating the folder), hands the token
     to the others (the broadcast also waits for the write), each says whether it sees the marker, and the
     main process deletes it: a file write, two collectives, no file left behind."""
-    import uuid
-
     from accelerate.utils import broadcast_object_list, gather_object
 
     if accelerator.num_processes == 1:

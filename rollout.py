@@ -39,6 +39,7 @@ The policy's side (its system prompt, think parsing, the sampling backends: tran
 import asyncio
 import json
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -537,8 +538,6 @@ def keep_rows_before(path, step: int, what: str = "transcripts file") -> int:
     # A kill while writing leaves the old file whole. The name is the process's own, as every GRPO rank
     # trims every rank's file (with the same result): its host's as well, as ranks on two nodes sharing the
     # output folder can have the same process id.
-    import socket
-
     partial = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.partial")
     partial.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in kept), encoding="utf-8")
     partial.replace(path)
