@@ -22,7 +22,8 @@ generation prompts of reasoning models do); the policy thinks until it writes `<
 `max_think_tokens`, in which case `</think>` is inserted for it (budget forcing); then it writes
 its reply. Only the text after the last `</think>` reaches the simulator. A turn whose thinking
 the policy did not close itself, or whose reply is empty or holds more think tags, is a format
-violation (counted; `format_penalty` is taken off the reward of a dialogue that has any).
+violation (counted; `format_penalty` x the share of the dialogue's turns that violated is taken off its reward,
+so that a dialogue with one violating turn of two is paid more than one with two).
 Difference from the paper: the policy keeps its own earlier thoughts in its context, so one
 dialogue is one training row whose tokens are exactly the sampled ones; the paper removed earlier
 thoughts and trained each policy turn as its own row.
@@ -70,7 +71,7 @@ class DialogueArguments:
                 "tokens either way (paper: up to ~5k a turn)"})
     max_dialogue_tokens: int = field(default=1024, metadata={"help": "prompt + completion tokens per dialogue"})
     format_penalty: float = field(default=0.0, metadata={
-        "help": "subtracted from the reward of a dialogue with a think-format violation"})
+        "help": "x the share of a dialogue's turns that violated the think format, subtracted from its reward"})
     policy_prompt: str = field(default="policy", metadata={
         "help": "the policy's system prompt: prompts/<language>/<name>[_think].txt"})
     prefix_cache: bool = field(default=True, metadata={
@@ -411,9 +412,12 @@ class DialogueProgress:
 # Results: what TRL's rollout_func returns, metrics, transcripts
 # --------------------------------------------------------------------------------------------
 
-def reward(final_emotion: int, format_violations: int, format_penalty: float = 0.0) -> float:
-    """The paper's reward: final emotion / 100, given once per dialogue (minus the optional format penalty)."""
-    return final_emotion / simulator.MAX_EMOTION - (format_penalty if format_violations else 0.0)
+def reward(final_emotion: int, format_violations: int, turns: int, format_penalty: float = 0.0) -> float:
+    """The paper's reward: final emotion / 100, given once per dialogue, minus the optional format penalty times
+    the share of its turns that violated the think format. Graded, not all-or-nothing: a small model closes its
+    thoughts in a few turns in a hundred, and a penalty for any violation would fall on nearly every dialogue of
+    a group alike, leaving GRPO no difference to learn from."""
+    return final_emotion / simulator.MAX_EMOTION - format_penalty * format_violations / max(turns, 1)
 
 
 def dialogue_record(dialogue: Dialogue) -> dict:

@@ -295,9 +295,9 @@ def make_emotion_reward(dialogue_args: rollout.DialogueArguments):
         if log_metric is not None:
             for name, value in rollout.dialogue_metrics(columns, dialogue_args.max_turns).items():
                 log_metric(name, value)
-        return [None if lost else rollout.reward(emotion, violations, dialogue_args.format_penalty)
-                for emotion, violations, lost in zip(columns["final_emotion"], columns["format_violations"],
-                                                     columns["failed"])]
+        return [None if lost else rollout.reward(emotion, violations, turns, dialogue_args.format_penalty)
+                for emotion, violations, turns, lost in zip(columns["final_emotion"], columns["format_violations"],
+                                                            columns["turns"], columns["failed"])]
 
     return emotion_reward
 

@@ -673,7 +673,8 @@ def main(argv=None) -> None:
             stop_if_simulators_failed(dialogues, step, dialogue_args, output_dir, model, optimizer, tokenizer,
                                       accelerator)
             scored = [d for d in dialogues if d.failure is None]  # a failed simulator left no score: no rows
-            final_rewards = [rollout.reward(d.final_emotion, d.format_violations, dialogue_args.format_penalty)
+            final_rewards = [rollout.reward(d.final_emotion, d.format_violations, len(d.reply_texts),
+                                            dialogue_args.format_penalty)
                              for d in scored]
             rows = [row for dialogue, final_reward in zip(scored, final_rewards)
                     for row in dialogue_rows(dialogue, turn_rewards(dialogue, final_reward, args.turn_credit),

@@ -117,9 +117,9 @@ def check_max_dialogue_tokens(parse, tokenizer, tmp_path):
 def check_format_penalty(parse, tokenizer, tmp_path):
     dialogue_args, _ = parse(["--format_penalty", "0.25"])
     reward = train_grpo.make_emotion_reward(dialogue_args)
-    rewards = reward(completions=["x"], final_emotion=[80], format_violations=[1], failed=[False])
-    assert rewards == pytest.approx([0.55])
-    assert rollout.reward(80, 1, dialogue_args.format_penalty) == pytest.approx(0.55)  # what train_ppo.py pays
+    rewards = reward(completions=["x"], final_emotion=[80], format_violations=[1], turns=[2], failed=[False])
+    assert rewards == pytest.approx([0.8 - 0.25 / 2])
+    assert rollout.reward(80, 1, 2, dialogue_args.format_penalty) == pytest.approx(0.675)  # what train_ppo.py pays
 
 
 def check_policy_prompt(parse, tokenizer, tmp_path):

@@ -271,11 +271,13 @@ def test_transcripts_are_benchmark_rows_with_step_and_thoughts(tiny, tmp_path):
     assert all("emotion-point" in m and "reasoning" in m for m in user_turns)
 
 
-def test_reward_is_final_emotion_over_one_hundred_minus_the_format_penalty():
-    assert rollout.reward(85, 0) == 0.85
-    assert rollout.reward(85, 2, format_penalty=0.1) == pytest.approx(0.75)
-    assert rollout.reward(85, 0, format_penalty=0.1) == 0.85
-    assert rollout.reward(85, 2) == 0.85  # no penalty unless one is configured
+def test_reward_is_final_emotion_over_one_hundred_minus_the_penalty_times_the_share_of_violating_turns():
+    assert rollout.reward(85, 0, 2) == 0.85
+    assert rollout.reward(85, 2, 2, format_penalty=0.1) == pytest.approx(0.75)  # every turn violated: all of it
+    assert rollout.reward(85, 1, 4, format_penalty=0.2) == pytest.approx(0.80)  # one turn of four: a quarter
+    assert rollout.reward(85, 0, 2, format_penalty=0.1) == 0.85
+    assert rollout.reward(85, 2, 2) == 0.85  # no penalty unless one is configured
+    assert rollout.reward(85, 0, 0, format_penalty=0.1) == 0.85  # no turn played (the user left at once)
 
 
 def metrics_of(final_emotion, emotions=None, turns=None, max_turns=2, **fields):

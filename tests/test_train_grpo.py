@@ -23,7 +23,7 @@ def test_reward_reads_the_final_emotion_not_the_completion_text():
                      simulator_calls=[{"calls": 4, "attempts": 5, "failed": 0, "prompt_tokens": 900, "completion_tokens": 60},
                                       {"calls": 4, "attempts": 4, "failed": 0, "prompt_tokens": 800, "completion_tokens": 50}],
                      log_metric=lambda name, value: logged.__setitem__(name, value))
-    assert rewards == pytest.approx([0.2, 0.7])
+    assert rewards == pytest.approx([0.2, 0.9 - 0.2 / 2])  # one violating turn of two: half the penalty
     assert (logged["simulator/calls"], logged["simulator/retries"], logged["simulator/prompt_tokens"]) == (8, 1, 1700)
     assert logged["emotion/final_mean"] == 55 and logged["emotion/after_turn_1"] == 42.5
     assert logged["format/violation_rate"] == 0.25 and logged["dialogue/ended_turn_limit"] == 1
