@@ -278,9 +278,9 @@ async def play_endpoint(args, simulator_args, chat, profiles, done: set, output:
     async def play(index, profile):
         async with gate:
             user = rollout.new_simulator(profile, chat, dialogues, simulator_args)
-            system = generation.policy_system_prompt(simulator_args.language or profile.language, args.think,
-                                                     dialogues.policy_prompt, simulator_args.official("policy_prompts"))
-            messages = [{"role": "system", "content": system}, {"role": "user", "content": await user.open()}]
+            messages = generation.policy_messages(simulator_args.language or profile.language, args.think,
+                                                  dialogues.policy_prompt, simulator_args.official("policy_prompts"))
+            messages.append({"role": "user", "content": await user.open()})
             thoughts = []
             while not user.done:
                 raw = await client.complete(messages, seed=args.seed + index)

@@ -39,6 +39,24 @@ def policy_system_prompt(language: str, think: bool, name: str = "policy", offic
     return path.read_text(encoding="utf-8").strip()
 
 
+def policy_messages(language: str, think: bool, name: str = "policy", official_prompts=None) -> list[dict]:
+    """The policy's messages before the user's opening: the system prompt, then the worked exchanges of
+    prompts/<language>/<name>[_think].examples.jsonl where that file exists (one {"user", "assistant"} object a
+    line; the released code's prompts have none). The think prompts have three: told the format in words, the
+    packaged SmolLM2 closes a thought in about 8% of turns; shown it in three exchanges, in about half
+    (docs/learning.md), which leaves RL a format it can learn to keep."""
+    messages = [{"role": "system", "content": policy_system_prompt(language, think, name, official_prompts)}]
+    path = common.PROMPTS_DIR / language / (f"{name}_think" if think else name)
+    path = path.with_name(path.name + ".examples.jsonl")
+    if official_prompts is None and path.exists():
+        for _, where, example in common.json_lines(path, "policy examples"):
+            if not (isinstance(example, dict) and all(isinstance(example.get(key), str) for key in ("user", "assistant"))):
+                raise common.InputError(f"{where}: an example is an object with the texts \"user\" and \"assistant\"")
+            messages += [{"role": "user", "content": example["user"]},
+                         {"role": "assistant", "content": example["assistant"]}]
+    return messages
+
+
 def split_think(text: str, think: bool) -> tuple[str, str, bool]:
     """(think_text, reply_text, format_ok) for one raw policy turn. Only reply_text may reach the
     simulator: with an unclosed <think> the whole turn is thought and the reply is empty."""

@@ -7,7 +7,8 @@ position in a list of active dialogues, so a dialogue that ends early cannot mix
 
 Token layout of one dialogue, as TRL's `rollout_func` expects it:
 
-    prompt_ids      = chat template of [policy system prompt, user opening] + assistant header
+    prompt_ids      = chat template of [policy system prompt, its worked exchanges if any, user opening]
+                      + assistant header
     completion_ids  = reply 1 | close + user 2 + header | reply 2 | ... | reply n
     env_mask        =   1...1 |        0...0            |  1...1  | ... |  1...1
 
@@ -124,8 +125,9 @@ class ChatSegments:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def prompt_ids(self, system_prompt: str, opening: str) -> list[int]:
-        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": opening}]
+    def prompt_ids(self, policy_messages: list[dict], opening: str) -> list[int]:
+        """The chat template of the policy's messages (`generation.policy_messages`) and the user's opening."""
+        messages = policy_messages + [{"role": "user", "content": opening}]
         return self.encode(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
     def closing_ids(self, sampled: list[int]) -> list[int]:
@@ -264,9 +266,9 @@ class DialogueRunner:
         """The policy's prompt for a dialogue (system prompt and the user's opening); refused when it leaves
         no room for one turn within max_dialogue_tokens."""
         args, language = self.args, self.simulator_args.language or profile.language
-        system = generation.policy_system_prompt(language, args.think, args.policy_prompt,
-                                                 self.simulator_args.official("policy_prompts"))
-        prompt_ids = self.segments.prompt_ids(system, opening)
+        messages = generation.policy_messages(language, args.think, args.policy_prompt,
+                                              self.simulator_args.official("policy_prompts"))
+        prompt_ids = self.segments.prompt_ids(messages, opening)
         needed = len(prompt_ids) + self.min_turn_tokens
         if needed > args.max_dialogue_tokens:
             raise common.InputError(f"--max_dialogue_tokens {args.max_dialogue_tokens}: profile {profile.id} needs "

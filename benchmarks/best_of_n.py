@@ -31,11 +31,12 @@ import generation  # noqa: E402
 import simulator  # noqa: E402
 
 
-def sample_replies(generate, tokenizer, system_prompt: str, simulators: list, n: int, budget: int) -> list[list[str]]:
+def sample_replies(generate, tokenizer, policy_messages: list[dict], simulators: list, n: int,
+                   budget: int) -> list[list[str]]:
     """n sampled reply texts for each simulator's dialogue so far, in one batched call."""
     contexts = []
     for user in simulators:
-        messages = [{"role": "system", "content": system_prompt}] + [
+        messages = policy_messages + [
             {"role": m["role"], "content": m["content"]} for m in user.history]
         context = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         contexts += [context] * n
@@ -47,7 +48,7 @@ def sample_replies(generate, tokenizer, system_prompt: str, simulators: list, n:
 def best_of_n(generate, tokenizer, profiles, n: int, args) -> dict:
     """Every profile's dialogue played with the best of n samples at each turn; the final emotions and,
     per turn, the candidates' scores."""
-    system_prompt = generation.policy_system_prompt("en", think=False, name=args.policy_prompt)
+    policy_messages = generation.policy_messages("en", think=False, name=args.policy_prompt)
     users = [simulator.make_simulator(profile, None, variant=args.variant, start_emotion=args.start_emotion,
                                       max_turns=args.turns) for profile in profiles]
     for user, profile in zip(users, profiles):
@@ -57,7 +58,7 @@ def best_of_n(generate, tokenizer, profiles, n: int, args) -> dict:
         active = [user for user in users if not user.done]
         if not active:
             break
-        candidates = sample_replies(generate, tokenizer, system_prompt, active, n, args.max_reply_tokens)
+        candidates = sample_replies(generate, tokenizer, policy_messages, active, n, args.max_reply_tokens)
         turn_scores, turn_reasons = [], collections.Counter()
         for user, replies in zip(active, candidates):
             judged = [user.score(reply) for reply in replies]

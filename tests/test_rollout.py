@@ -192,6 +192,49 @@ def test_split_think_passes_on_only_the_text_after_the_last_close(text, think, e
     assert split_think(text, think) == expected
 
 
+@pytest.mark.parametrize("name", ["policy", "sentient"])
+def test_the_think_prompts_show_their_format_in_worked_exchanges_that_split_well_formed(name):
+    messages = generation.policy_messages("en", True, name)
+    assert messages[0] == {"role": "system", "content": generation.policy_system_prompt("en", True, name)}
+    assert [m["role"] for m in messages[1:]] == ["user", "assistant"] * 3
+    for answer in messages[2::2]:
+        thought, reply, well_formed = split_think(answer["content"], think=True)
+        assert well_formed and thought and reply
+    assert generation.policy_messages("en", False, name) == [  # the reply-only prompts have none
+        {"role": "system", "content": generation.policy_system_prompt("en", False, name)}]
+
+
+def test_policy_examples_are_read_in_order_and_a_bad_line_is_named(tmp_path, monkeypatch):
+    (tmp_path / "en").mkdir()
+    (tmp_path / "en" / "mine_think.txt").write_text("  Think first.\n")
+    examples = tmp_path / "en" / "mine_think.examples.jsonl"
+    examples.write_text('{"user": "u1", "assistant": "a1"}\n\n{"user": "u2", "assistant": "a2"}\n')
+    monkeypatch.setattr(common, "PROMPTS_DIR", tmp_path)
+    assert generation.policy_messages("en", True, "mine") == [
+        {"role": "system", "content": "Think first."}, {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
+    examples.write_text('{"user": "u1", "assistant": "a1"}\n{"user": "u2"}\n')
+    with pytest.raises(common.InputError, match=rf"{examples}:2: an example is an object"):
+        generation.policy_messages("en", True, "mine")
+
+
+def test_the_released_prompts_come_without_our_examples():
+    class Released:
+        def policy_prompt(self, think):
+            return f"released think={think}"
+    assert generation.policy_messages("en", True, "policy", Released()) == [
+        {"role": "system", "content": "released think=True"}]
+
+
+def test_the_examples_sit_between_the_system_prompt_and_the_opening_in_the_policy_prompt(tiny):
+    _, tokenizer = tiny
+    runner = DialogueRunner(tokenizer, DialogueArguments(think=True))
+    text = tokenizer.decode(runner.prompt_ids(profiles(1)[0], "OPENING LINE"))
+    system, first_example = generation.policy_system_prompt("en", True), generation.policy_messages("en", True)[1]
+    assert text.index(system) < text.index(first_example["content"]) < text.index("OPENING LINE")
+    runner.close()
+
+
 def test_a_dialogue_ended_early_leaves_the_others_matched(tiny):
     _, tokenizer = tiny
     chosen = profiles(3)
@@ -217,7 +260,7 @@ def test_thinking_near_the_dialogue_budget_leaves_room_for_the_close_and_a_minim
     model, tokenizer = tiny
     starts, _ = starts_for(tokenizer, profiles(1))
     segments = rollout.ChatSegments(tokenizer)
-    prompt = segments.prompt_ids(generation.policy_system_prompt("en", True), starts[0][1])
+    prompt = segments.prompt_ids(generation.policy_messages("en", True), starts[0][1])
     budget = len(prompt) + len(segments.think_open) + 40  # 40 tokens left once <think> is inserted
     recording = Recording(sampling_generator(model, tokenizer))
     run(tokenizer, recording, starts, think=True, max_turns=1, max_think_tokens=1000, max_reply_tokens=1000,
@@ -230,7 +273,7 @@ def test_thinking_near_the_dialogue_budget_leaves_room_for_the_close_and_a_minim
 def test_token_budget_is_never_exceeded(tiny):
     model, tokenizer = tiny
     starts, _ = starts_for(tokenizer, profiles(2), copies=2)
-    budget = max(len(rollout.ChatSegments(tokenizer).prompt_ids(generation.policy_system_prompt("en", False), o))
+    budget = max(len(rollout.ChatSegments(tokenizer).prompt_ids(generation.policy_messages("en", False), o))
                  for _, o in starts) + 90
     dialogues = run(tokenizer, sampling_generator(model, tokenizer), starts, max_turns=8, max_reply_tokens=30,
                     max_dialogue_tokens=budget)
