@@ -1,4 +1,5 @@
-"""Mean final emotion per training step, from runs' transcripts, and whether it went up.
+"""Mean final emotion per training step, from runs' transcripts, and whether it went up; with
+`--metric format`, the share of policy turns that broke the think format instead (think runs).
 
     python plot_training.py runs/grpo-demo runs/grpo-demo-think --out docs/grpo_demo.png
     python plot_training.py --arm "GRPO" runs/grpo-s1 runs/grpo-s2 runs/grpo-s3 \
@@ -40,19 +41,31 @@ def transcript_files(run_dir: Path) -> list[Path]:
     return files
 
 
-def step_means(run_dir: Path) -> dict[int, float]:
-    """Mean final emotion of each step's dialogues, from all of the run's transcript files."""
-    finals = defaultdict(list)
+# --metric: (the transcript fields it reads, a step's value from its rows, the plot's y label, decimals printed)
+METRICS = {
+    "emotion": (("emo_point",), lambda rows: statistics.mean(row["emo_point"] for row in rows),
+                "mean final emotion (0-100)", 1),
+    # Over the step's turns, as the trainers' format/violation_rate: a long dialogue weighs more than a short one.
+    "format": (("format_violations", "turns"), lambda rows: sum(row["format_violations"] for row in rows)
+               / max(1, sum(row["turns"] for row in rows)), "share of turns breaking the think format", 2),
+}
+
+
+def step_means(run_dir: Path, metric: str = "emotion") -> dict[int, float]:
+    """The metric's value at each step (by default the mean final emotion of the step's dialogues), from all of
+    the run's transcript files."""
+    fields, value, _, _ = METRICS[metric]
+    rows_by_step = defaultdict(list)
     files = transcript_files(run_dir)
     for path in files:
         for _, where, row in common.json_lines(path, "transcript", skip_cut_last_line=True):
-            if not (isinstance(row, dict) and _is_number(row.get("step")) and _is_number(row.get("emo_point"))):
-                raise common.InputError(f"{where}: a transcript row needs numbers 'step' and 'emo_point'; "
-                                        "is it a train_grpo.py/train_ppo.py transcript?")
-            finals[row["step"]].append(row["emo_point"])
-    if not finals:
+            if not (isinstance(row, dict) and all(_is_number(row.get(key)) for key in ("step", *fields))):
+                raise common.InputError(f"{where}: a transcript row needs numbers {', '.join(map(repr, ('step', *fields)))}"
+                                        "; is it a train_grpo.py/train_ppo.py transcript?")
+            rows_by_step[row["step"]].append(row)
+    if not rows_by_step:
         raise common.InputError(f"{', '.join(map(str, files))}: no transcript rows (empty?); nothing to plot")
-    return {step: statistics.mean(values) for step, values in sorted(finals.items())}
+    return {step: value(rows) for step, rows in sorted(rows_by_step.items())}
 
 
 def _is_number(value) -> bool:
@@ -93,7 +106,7 @@ def smooth(values: list[float]) -> list[float]:
     return [statistics.mean(values[max(0, i - SMOOTHING + 1):i + 1]) for i in range(len(values))]
 
 
-def plot(curves: dict[str, tuple], title: str, out: Path) -> None:
+def plot(curves: dict[str, tuple], title: str, out: Path, ylabel: str = METRICS["emotion"][2]) -> None:
     """`curves`: label -> (steps, per-step means, their standard errors over seeds or None)."""
     import matplotlib
 
@@ -110,7 +123,7 @@ def plot(curves: dict[str, tuple], title: str, out: Path) -> None:
             axes.fill_between(steps, [m - e for m, e in zip(smoothed, band)], [m + e for m, e in zip(smoothed, band)],
                               color=line.get_color(), alpha=0.15, linewidth=0)
     axes.set_xlabel("training step")
-    axes.set_ylabel("mean final emotion (0-100)")
+    axes.set_ylabel(ylabel)
     axes.set_title(title)
     axes.grid(alpha=0.3)
     axes.legend()
@@ -126,8 +139,11 @@ def main(argv=None) -> None:
                         help="a label and the output_dirs of its seeds (repeat for each arm)")
     parser.add_argument("--out", type=Path,
                         help=f"the PNG file (default: {DEFAULT_PLOT_NAME} in the first run's folder)")
-    parser.add_argument("--title", default="Mean final emotion per step")
+    parser.add_argument("--metric", choices=list(METRICS), default="emotion",
+                        help="emotion: mean final emotion; format: share of turns breaking the think format")
+    parser.add_argument("--title", help="default: what the metric is, per step")
     args = parser.parse_args(argv)
+    title = args.title or f"{METRICS[args.metric][2][0].upper()}{METRICS[args.metric][2][1:]}, per step"
     if any(len(arm) < 2 for arm in args.arm):
         parser.error("--arm needs a label and at least one run folder")
     arms = {arm[0]: [Path(run) for run in arm[1:]] for arm in args.arm}
@@ -137,18 +153,19 @@ def main(argv=None) -> None:
     out = args.out or runs[0] / DEFAULT_PLOT_NAME
     try:
         # Every run is read, and the plot path checked, before the table is printed or matplotlib loads.
-        all_means = {run_dir: step_means(run_dir) for run_dir in runs}
+        all_means = {run_dir: step_means(run_dir, args.metric) for run_dir in runs}
         common.check_output_file(out, "out")
     except common.InputError as error:
         sys.exit(f"error: {error}")
+    decimals = METRICS[args.metric][3]
     all_edges = {run_dir: compare_edges(means) for run_dir, means in all_means.items()}
     print("| run | steps | first 20% | last 20% | difference |")
     print("|---|---|---|---|---|")
     for run_dir, edges in all_edges.items():
-        print(f"| {run_dir.name} | {edges['steps']} | {edges['first']:.1f} +- {edges['first_se']:.1f} | "
-              f"{edges['last']:.1f} +- {edges['last_se']:.1f} | "
-              f"{edges['difference']:+.1f} +- {edges['difference_se']:.1f} |")
-    curves = {f"{run_dir.name} ({edges['first']:.1f} -> {edges['last']:.1f})":
+        print(f"| {run_dir.name} | {edges['steps']} | {edges['first']:.{decimals}f} +- {edges['first_se']:.{decimals}f} | "
+              f"{edges['last']:.{decimals}f} +- {edges['last_se']:.{decimals}f} | "
+              f"{edges['difference']:+.{decimals}f} +- {edges['difference_se']:.{decimals}f} |")
+    curves = {f"{run_dir.name} ({edges['first']:.{decimals}f} -> {edges['last']:.{decimals}f})":
               (list(all_means[run_dir]), list(all_means[run_dir].values()), None)
               for run_dir, edges in all_edges.items() if run_dir in args.runs}
     if arms:
@@ -156,13 +173,13 @@ def main(argv=None) -> None:
         print("|---|---|---|---|---|")
     for label, arm_runs in arms.items():
         summary = arm_summary([all_edges[run_dir] for run_dir in arm_runs])
-        print(f"| {label} | {summary['runs']} | {summary['first']:.1f} +- {summary['first_se']:.1f} | "
-              f"{summary['last']:.1f} +- {summary['last_se']:.1f} | "
-              f"{summary['difference']:+.1f} +- {summary['difference_se']:.1f} |")
+        print(f"| {label} | {summary['runs']} | {summary['first']:.{decimals}f} +- {summary['first_se']:.{decimals}f} | "
+              f"{summary['last']:.{decimals}f} +- {summary['last_se']:.{decimals}f} | "
+              f"{summary['difference']:+.{decimals}f} +- {summary['difference_se']:.{decimals}f} |")
         seeds = f"{len(arm_runs)} seed{'s' if len(arm_runs) > 1 else ''}"
-        curves[f"{label}, {seeds} ({summary['first']:.1f} -> {summary['last']:.1f})"] = arm_curve(
+        curves[f"{label}, {seeds} ({summary['first']:.{decimals}f} -> {summary['last']:.{decimals}f})"] = arm_curve(
             [all_means[run_dir] for run_dir in arm_runs])
-    plot(curves, args.title, out)
+    plot(curves, title, out, METRICS[args.metric][2])
     print(f"wrote {out}")
 
 

@@ -40,3 +40,27 @@ def test_an_arm_without_runs_is_refused(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         plot_training.main(["--arm", "PPO"])
     assert exit_info.value.code == 2
+
+
+def test_the_format_metric_is_violating_turns_over_all_turns_of_a_step(tmp_path, capsys):
+    # Step 0: a 1-turn dialogue that broke it and a 3-turn one that broke 2: (1 + 2) / (1 + 3) = 0.75, not the mean
+    # of the dialogues' shares (1 + 2/3) / 2 = 0.83. Step 1: 0 of 2 turns. Step 2: 1 of 4 turns.
+    rows = []
+    for step, dialogues in enumerate([[(1, 1), (3, 2)], [(2, 0)], [(2, 1), (2, 0)]]):
+        for index, (turns, violations) in enumerate(dialogues):
+            row = transcript_row(step, index, [30] + [35] * turns)
+            row["format_violations"] = violations
+            rows.append(row)
+    run = write_run(tmp_path / "think", rows)
+    assert plot_training.step_means(run, "format") == pytest.approx({0: 0.75, 1: 0.0, 2: 0.25})
+    assert plot_training.step_means(run) == {0: 35, 1: 35, 2: 35}  # the emotion, by default
+    plot_training.main([str(run), "--metric", "format", "--out", str(tmp_path / "format.png")])
+    assert "| think | 3 | 0.38 +- 0.37 | 0.12 +- 0.12 | -0.25 +- 0.40 |" in capsys.readouterr().out
+
+
+def test_the_format_metric_refuses_a_transcript_without_its_fields(tmp_path):
+    row = transcript_row(0, 0, [30, 35])
+    row.pop("format_violations", None)
+    run = write_run(tmp_path / "old", [row])
+    with pytest.raises(plot_training.common.InputError, match="needs numbers 'step', 'format_violations', 'turns'"):
+        plot_training.step_means(run, "format")
