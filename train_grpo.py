@@ -7,7 +7,7 @@ ranks). `rollout.py` plays the dialogues at token level and the reward is the fi
 from the rollout's `final_emotion` field (not from the decoded completion text).
 
 Offline demo (the defaults): the packaged SmolLM2-135M-Instruct with LoRA, against the rule
-simulator on our English profiles, about 15 minutes on 2 CPU cores:
+simulator on our English profiles, on 2 CPU cores about 15 minutes (reply only) and 30 (think):
 
     accelerate launch train_grpo.py            # reply only
     accelerate launch train_grpo.py --think    # think, then reply
