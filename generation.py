@@ -46,8 +46,7 @@ def policy_messages(language: str, think: bool, name: str = "policy", official_p
     packaged SmolLM2 closes a thought in about 8% of turns; shown it in three exchanges, in about half
     (docs/learning.md), which leaves RL a format it can learn to keep."""
     messages = [{"role": "system", "content": policy_system_prompt(language, think, name, official_prompts)}]
-    path = common.PROMPTS_DIR / language / (f"{name}_think" if think else name)
-    path = path.with_name(path.name + ".examples.jsonl")
+    path = common.PROMPTS_DIR / language / f"{name}{'_think' if think else ''}.examples.jsonl"
     if official_prompts is None and path.exists():
         for _, where, example in common.json_lines(path, "policy examples"):
             if not (isinstance(example, dict) and all(isinstance(example.get(key), str) for key in ("user", "assistant"))):

@@ -60,8 +60,9 @@ def step_means(run_dir: Path, metric: str = "emotion") -> dict[int, float]:
     for path in files:
         for _, where, row in common.json_lines(path, "transcript", skip_cut_last_line=True):
             if not (isinstance(row, dict) and all(_is_number(row.get(key)) for key in ("step", *fields))):
-                raise common.InputError(f"{where}: a transcript row needs numbers {', '.join(map(repr, ('step', *fields)))}"
-                                        "; is it a train_grpo.py/train_ppo.py transcript?")
+                *first, last = [repr(key) for key in ("step", *fields)]
+                raise common.InputError(f"{where}: a transcript row needs numbers {', '.join(first)} and {last}; "
+                                        "is it a train_grpo.py/train_ppo.py transcript?")
             rows_by_step[row["step"]].append(row)
     if not rows_by_step:
         raise common.InputError(f"{', '.join(map(str, files))}: no transcript rows (empty?); nothing to plot")

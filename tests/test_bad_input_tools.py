@@ -169,7 +169,7 @@ def test_plot_training_names_a_row_without_step_or_final_emotion(tmp_path):
     """A benchmark result row (no step) in a run folder: not silently averaged, not a KeyError."""
     row = transcript_row(None, 0, [40, 50])
     run = write_run(tmp_path / "run", [row])
-    assert f"{run / 'transcripts.jsonl'}:1: a transcript row needs numbers 'step', 'emo_point'" in exit_message(
+    assert f"{run / 'transcripts.jsonl'}:1: a transcript row needs numbers 'step' and 'emo_point'" in exit_message(
         plot_training.main, [str(run)])
     assert not (run / "learning_curve.png").exists()
 

@@ -62,5 +62,5 @@ def test_the_format_metric_refuses_a_transcript_without_its_fields(tmp_path):
     row = transcript_row(0, 0, [30, 35])
     row.pop("format_violations", None)
     run = write_run(tmp_path / "old", [row])
-    with pytest.raises(plot_training.common.InputError, match="needs numbers 'step', 'format_violations', 'turns'"):
+    with pytest.raises(plot_training.common.InputError, match="needs numbers 'step', 'format_violations' and 'turns'"):
         plot_training.step_means(run, "format")
