@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -11,6 +12,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 import simulator  # noqa: E402
+
+# Property-based tests: the same generated examples on every run (a failure reproduces in CI and here), few
+# enough for the unit subset to stay under a minute, no per-example deadline (2 shared CPU cores).
+settings.register_profile("suite", max_examples=50, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("suite")
 
 # The official RLVER files are third-party data, never committed: tests that need them read the folder
 # named by $RLVER_OFFICIAL_DATA and are skipped without it.
