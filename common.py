@@ -80,6 +80,9 @@ def json_lines(path, what: str, error=InputError, skip_cut_last_line: bool = Fal
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as decode_error:
+                if skip_cut_last_line and not raw.endswith(b"\n"):  # the last line, cut inside a character
+                    warn(f"{where}: the last line is cut short (a run killed while writing it?); left out")
+                    return
                 raise error(str(_not_utf8(where, raw[decode_error.start], what))) from None
             if not text.strip():
                 continue
