@@ -68,7 +68,7 @@ def split_think(text: str, think: bool) -> tuple[str, str, bool]:
         return "", text.strip(), False
     thought, reply = text[:closed], text[closed + len(THINK_CLOSE):].strip()
     well_formed = (thought.lstrip().startswith(THINK_OPEN) and thought.count(THINK_OPEN) == 1
-                   and text.count(THINK_CLOSE) == 1 and bool(reply))
+                   and text.count(THINK_CLOSE) == 1 and THINK_OPEN not in reply and bool(reply))
     return thought.replace(THINK_OPEN, "", 1).strip(), reply, well_formed
 
 
