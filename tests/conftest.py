@@ -23,6 +23,12 @@ settings.load_profile("suite")
 # named by $RLVER_OFFICIAL_DATA and are skipped without it.
 OFFICIAL_DATA = Path(os.environ.get("RLVER_OFFICIAL_DATA", "/nonexistent"))
 
+
+def pytest_terminal_summary(terminalreporter):
+    """The run's last lines say whether the official-prompt and official-data tests ran (also under -q)."""
+    for name in ("RLVER_OFFICIAL_REPO", "RLVER_OFFICIAL_DATA"):
+        terminalreporter.write_line(f"{name}: {os.environ.get(name) or 'not set, so the tests that need it were skipped'}")
+
 OWN_WORDS = [
     "My sister Dana skipped my wedding in Lisbon and I still can't stop thinking about it.",
     "She texted the morning of the ceremony saying her flight was cancelled, but her photos showed her at a concert.",
