@@ -7,8 +7,10 @@
 Each mutant is one small change in one target function, of the kinds that make RL code wrong without
 crashing it: a comparison moved by one (`<` -> `<=`), an operator swapped (`+` -> `-`, `*` -> `/`), `max` ->
 `min`, a sign dropped, a constant moved by one, `and` -> `or`, `True` -> `False`, a call's result replaced by
-its first argument (an escape or a clamp removed). The mutated file is written into a scratch copy of the
-repository, the target's tests run there (`pytest -x`), and the mutant is killed if they fail or time out.
+its first argument (an escape or a clamp removed), an option read in place of its pair (`clip_range` ->
+`value_clip_range`, `gamma` -> `lam`), a call's first two arguments swapped. The mutated file is written into a scratch copy of the
+repository, the unit tests of that file run there (`pytest -x`, TESTS_OF_FILE), and the mutant is killed if they
+fail or time out.
 A survivor is either a missing test or an equivalent mutant (one that cannot change behaviour): list it in
 docs/testing.md with the reason.
 """
@@ -26,53 +28,43 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# (file, function or Class.method, the tests that must catch a wrong version of it). Fast unit tests only:
-# every mutant runs them once.
-PPO = "tests/test_train_ppo.py"
-ROLLOUT = "tests/test_rollout.py"
-REPORT = ["tests/test_report.py", "-k", "not screenshot and not real_rollout"]
-SANDBOX = "sandbox or network or namespace or unshare or loop or memory or limits or grow or cut_at"
+# The unit tests of each file (not those marked slow; -k matches marker names too): every mutant of the file
+# runs all of them, as a bug written by someone else would meet the whole suite, not tests chosen for it.
+UNIT = ["-k", "not slow"]
+TESTS_OF_FILE = {
+    "train_ppo.py": ["tests/test_train_ppo.py", "tests/test_ppo_oracles.py", "tests/test_turn_credit.py"],
+    "train_grpo.py": ["tests/test_train_grpo.py", "tests/test_grpo_oracles.py", "tests/test_turn_credit.py"],
+    "rollout.py": ["tests/test_rollout.py", "tests/test_rollout_properties.py", "tests/test_turn_credit.py"],
+    "generation.py": ["-k", "not slow or cached_prefix", "tests/test_rollout.py", "tests/test_rollout_properties.py",
+                      "tests/test_generation_ends.py"],  # the prefix cache's tests load a tiny model
+    "simulator.py": ["tests/test_llm_simulator.py", "tests/test_rule_simulator.py", "tests/test_analysis_format.py",
+                     "tests/test_simulator_properties.py"],
+    "rule_user.py": ["tests/test_rule_simulator.py", "tests/test_simulator_properties.py"],
+    "eval_sentient.py": ["tests/test_eval_sentient.py", "tests/test_eval_oracles.py"],
+    "report.py": ["tests/test_report.py", "tests/test_eval_oracles.py"],
+    "eval_general.py": ["tests/test_eval_general.py", "tests/test_eval_oracles.py"],
+    "common.py": ["tests/test_common_oracles.py", "tests/test_input_checks.py", "tests/test_rollout_properties.py"],
+}
+# (file, function or Class.method): where RL code goes silently wrong.
 TARGETS = [
-    ("train_ppo.py", "ppo_losses", [PPO, "-k", "policy_loss_is or value_loss_is or entropy_bonus or clip_fraction "
-                                               "or masked_tokens_contribute"]),
-    ("train_ppo.py", "masked_gae", [PPO, "-k", "gae or values_on_user_tokens"]),
-    ("train_ppo.py", "whiten", [PPO, "-k", "blank_critic or whiten"]),
-    ("train_ppo.py", "masked_mean", [PPO, "-k", "masked_mean or mean_over or masked_tokens or policy_loss_is "
-                                                "or value_loss_is"]),
-    ("train_ppo.py", "place_rewards", [PPO, "tests/test_turn_credit.py", "-k", "rewards_land or kl_penalty or lands_on "
-                                       "or puts_each or format_penalty"]),
-    ("train_ppo.py", "turn_rewards", ["tests/test_turn_credit.py", "-k", "lands_on or puts_each or format_penalty "
-                                      "or return"]),
-    ("train_ppo.py", "dialogue_rows", ["tests/test_turn_credit.py", "-k", "lands_on or puts_each or return"]),
-    ("train_grpo.py", "turn_terms", ["tests/test_turn_credit.py", "-k", "turn_terms or no_other or group_baseline"]),
-    ("train_grpo.py", "token_advantages", ["tests/test_turn_credit.py", "-k", "token_advantages"]),
-    ("rollout.py", "Dialogue.turn_changes", ["tests/test_turn_credit.py", "-k", "turn_changes or return"]),
-    ("rollout.py", "Dialogue.sampled_turn", ["tests/test_turn_credit.py", "-k", "sampled_turn or lands_on or puts_each"]),
-    ("train_ppo.py", "state_values", [PPO, "-k", "value_of_an_action or old_values_are"]),
-    ("rollout.py", "reward", [ROLLOUT, "-k", "reward_is_final"]),
-    ("rollout.py", "dialogue_metrics", [ROLLOUT, "tests/test_train_grpo.py", "-k", "metrics or reward_reads"]),
-    ("generation.py", "split_think", [ROLLOUT, "-k", "split_think"]),
-    ("rollout.py", "Dialogue.append", [ROLLOUT, "-k", "env_mask or masked_in"]),
-    ("rollout.py", "DialogueRunner._sample", [ROLLOUT, "-k", "env_mask or thinking_ or token_budget or never_receives"]),
-    ("rollout.py", "DialogueRunner._cut_thought", [ROLLOUT, "-k", "env_mask or thinking_ or never_receives"]),
-    ("rollout.py", "DialogueRunner._answer", [ROLLOUT, "-k", "token_budget or fails_ends or ended_early or inserted "
-                                                             "or simulator_time or goes_on_exactly"]),
-    ("simulator.py", "Simulator.respond", [
-        "tests/test_llm_simulator.py", "tests/test_rule_simulator.py", "-k",
-        "bound or clamp or floored or below_ten or one_hundred or turn_limit or goodbye or two_calls or ten_is "
-        "or responding_after or dialogue_ends"]),
-    ("simulator.py", "parse_analysis", ["tests/test_analysis_format.py"]),
-    ("eval_sentient.py", "summarize", ["tests/test_eval_sentient.py", "-k", "success_ or metrics_on or rescore_prints "
-                                       "or bootstrap or nine_judged"]),
-    ("eval_sentient.py", "judged_replies", ["tests/test_eval_sentient.py", "-k", "success_needs or metrics_on "
-                                            "or rescore_prints or nine_judged"]),
-    ("report.py", "conversation", REPORT),
-    ("report.py", "dialogue_block", REPORT),
-    ("report.py", "filters", REPORT),
-    ("report.py", "summary_figures", REPORT),
-    ("report.py", "first_divergence", REPORT),
-    ("eval_general.py", "network_namespace", ["tests/test_eval_general.py", "-k", SANDBOX]),
-    ("eval_general.py", "run_sandboxed", ["tests/test_eval_general.py", "-k", SANDBOX + " or humaneval_solution"]),
+    ("train_ppo.py", "ppo_losses"), ("train_ppo.py", "masked_gae"), ("train_ppo.py", "whiten"),
+    ("train_ppo.py", "masked_mean"), ("train_ppo.py", "place_rewards"), ("train_ppo.py", "turn_rewards"),
+    ("train_ppo.py", "dialogue_rows"), ("train_ppo.py", "state_values"), ("train_ppo.py", "ppo_epochs"),
+    ("train_ppo.py", "value_metrics"),
+    ("train_grpo.py", "turn_terms"), ("train_grpo.py", "token_advantages"),
+    ("rollout.py", "Dialogue.turn_changes"), ("rollout.py", "Dialogue.sampled_turn"), ("rollout.py", "reward"),
+    ("rollout.py", "dialogue_metrics"), ("rollout.py", "Dialogue.append"), ("rollout.py", "DialogueRunner._sample"),
+    ("rollout.py", "DialogueRunner._cut_thought"), ("rollout.py", "DialogueRunner._read_turn"),
+    ("rollout.py", "keep_rows_before"), ("rollout.py", "check_failures"),
+    ("generation.py", "split_think"), ("generation.py", "PrefixCache.reuse"),
+    ("simulator.py", "Simulator.respond"), ("simulator.py", "parse_analysis"),
+    ("rule_user.py", "RuleSimulator.score"), ("rule_user.py", "RuleSimulator._worth"),
+    ("eval_sentient.py", "summarize"), ("eval_sentient.py", "judged_replies"), ("eval_sentient.py", "bootstrap_interval"),
+    ("eval_sentient.py", "group_figures"),
+    ("report.py", "conversation"), ("report.py", "dialogue_block"), ("report.py", "filters"),
+    ("report.py", "summary_figures"), ("report.py", "first_divergence"),
+    ("eval_general.py", "network_namespace"), ("eval_general.py", "run_sandboxed"),
+    ("common.py", "json_lines"), ("common.py", "repair_last_line"), ("common.py", "check_options"),
 ]
 
 SWAP_COMPARE = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
@@ -81,6 +73,15 @@ SWAP_BINARY = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: a
                ast.FloorDiv: ast.Mult, ast.Mod: ast.FloorDiv}
 REMOVABLE = {"escape", "clamp", "clip", "abs", "exp", "detach", "strip", "round", "sqrt"}
 SWAP_NAMES = {"max": "min", "min": "max", "any": "all", "all": "any", "amax": "amin", "amin": "amax"}
+# Options that come in pairs: reading one where the other was meant passes every test that gives both the
+# same value, so each is also mutated into its partner.
+PAIRED_OPTIONS = [("clip_range", "value_clip_range"), ("gamma", "lam"), ("learning_rate", "critic_learning_rate"),
+                  ("minibatch_size", "micro_batch_size"), ("profiles_per_step", "dialogues_per_profile"),
+                  ("entropy_coef", "kl_coef"), ("max_steps", "save_steps"), ("max_think_tokens", "max_reply_tokens"),
+                  ("lora_r", "lora_alpha"), ("temperature", "top_p"), ("success_threshold", "failure_threshold")]
+NOT_SWAPPED = {"isinstance", "getattr", "hasattr", "setattr", "print", "warn",  # a swap there only crashes
+               "max", "min", "maximum", "minimum"}  # or changes nothing
+PARTNER = {a: b for pair in PAIRED_OPTIONS for a, b in (pair, pair[::-1])}
 
 
 class Mutator(ast.NodeTransformer):
@@ -144,11 +145,24 @@ class Mutator(ast.NodeTransformer):
             return self._site(node, ast.Constant(node.value + 1), f"{node.value} -> {node.value + 1}")
         return node
 
+    def visit_Attribute(self, node):
+        self.generic_visit(node)
+        if self.inside and isinstance(node.ctx, ast.Load) and node.attr in PARTNER:
+            mutated = ast.Attribute(node.value, PARTNER[node.attr], ast.Load())
+            return self._site(node, mutated, f".{node.attr} -> .{PARTNER[node.attr]}")
+        return node
+
     def visit_Call(self, node):
         self.generic_visit(node)
         if not self.inside:
             return node
         name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if (len(node.args) >= 2 and name not in NOT_SWAPPED
+                and not any(isinstance(a, ast.Starred) for a in node.args[:2])):
+            swapped = ast.Call(node.func, [node.args[1], node.args[0], *node.args[2:]], node.keywords)
+            node = self._site(node, swapped, f"{ast.unparse(node.func)}(...): first two arguments swapped")
+            if node is swapped:
+                return node
         if name in SWAP_NAMES:
             func = (ast.Attribute(node.func.value, SWAP_NAMES[name], ast.Load()) if isinstance(node.func, ast.Attribute)
                     else ast.Name(SWAP_NAMES[name], ast.Load()))
@@ -197,7 +211,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/mutation.json", help="results (one row per mutant)")
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
-    targets = [t for t in TARGETS if not only or t[1] in only]
+    targets = [(file, target, [*UNIT, *TESTS_OF_FILE[file]]) for file, target in TARGETS
+               if not only or target in only]
     work = [(file, target, tests, index, description, source)
             for file, target, tests in targets for index, description, source in mutants(file, target)]
     if args.list:
