@@ -22,13 +22,8 @@ import official
 import rule_user
 import simulator
 from simulator import LLMSimulator, ProfileError, SimulatorError
-
-REPO = Path(os.environ.get("RLVER_OFFICIAL_REPO", "/nonexistent"))
-needs_repo = pytest.mark.skipif(not (REPO / official.SAGE_USER).is_file(),
-                                reason="official code not found: set RLVER_OFFICIAL_REPO to a checkout of "
-                                       "github.com/Tencent/digitalhuman")
-ZH_TASK = simulator.INTENTIONS["venting"][1]
-
+from test_official_prompts import REPO, ZH_TASK, Exhausted, needs_repo
+from test_official_prompts import Recorder as Script
 
 def run(coroutine):
     return asyncio.run(coroutine)
@@ -37,23 +32,6 @@ def run(coroutine):
 # --------------------------------------------------------------------------------------------
 # The released planning_reply, run with its LLM call replaced by a script
 # --------------------------------------------------------------------------------------------
-
-class Exhausted(BaseException):
-    """Raised when asked once more than scripted: the official loops catch Exception only."""
-
-
-class Script:
-    """Stands in for call_llm / call_api: answers from a script, then raises Exhausted."""
-
-    def __init__(self, outputs):
-        self.outputs, self.prompts = list(outputs), []
-
-    def __call__(self, prompt, *args, **kwargs):
-        self.prompts.append(prompt)
-        if not self.outputs:
-            raise Exhausted
-        return self.outputs.pop(0)
-
 
 NO_SLEEP = types.SimpleNamespace(sleep=lambda seconds: None)  # the official loops sleep 3 s before asking again
 
