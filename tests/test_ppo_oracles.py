@@ -275,6 +275,16 @@ def test_value_metrics_are_the_critics_mean_and_explained_variance_over_actions(
     assert metrics["ppo/explained_variance"] == pytest.approx(explained, rel=1e-3, abs=1e-4)
 
 
+def test_explained_variance_of_returns_all_alike_is_a_number_not_nan():
+    """Every return the same (a group of equal final emotions, a blank critic): the variance of the returns is 0.
+    A critic that matches them explains them all (1); one that misses them is off by the miss over 1e-8."""
+    mask = tensor([[0, 1, 1], [1, 1, 0]])
+    returns = tensor([[9.0, 0.5, 0.5], [0.5, 0.5, -9.0]])  # the 9s sit off the actions
+    assert train_ppo.value_metrics(returns, returns.clone(), mask)["ppo/explained_variance"] == 1.0
+    missed = train_ppo.value_metrics(returns, tensor([[0, 0.5, 0.5], [0.5, 0.25, 0]]), mask)
+    assert missed["ppo/explained_variance"] == pytest.approx(1 - (0.0625 * 3 / 16) / 1e-8, rel=1e-3)
+
+
 # --------------------------------------------------------------------------------------------
 # Updates on a tiny network: micro-batches, epochs, the options each step reads
 # --------------------------------------------------------------------------------------------
@@ -484,6 +494,17 @@ def test_epochs_share_rows_out_into_the_fewest_minibatches_larger_first_each_in_
     assert rows_in(calls, batch) == [orders[0][:6], orders[0][6:], orders[1][:6], orders[1][6:]]
     assert [call.reused for call in calls] == [True, False, False, False]
     assert len(stats) == 4
+
+
+def test_three_minibatches_take_their_shares_in_order_larger_first(monkeypatch):
+    """7 rows, minibatches of at most 3, micro-batches of 1: three steps of 3, 2 and 2 rows. With two
+    minibatches a share counted from the end (5 micro-batches: the last 2) is the same as one counted from the
+    start (after the first 3); with three it is not."""
+    batch = {"input_ids": torch.arange(14).reshape(7, 2), "action_mask": torch.ones(7, 2)}
+    calls = recording_updates(monkeypatch, call_real=False)
+    args = train_ppo.PPOArguments(ppo_epochs=1, minibatch_size=3, micro_batch_size=1)
+    train_ppo.ppo_epochs(None, None, None, batch, [[6, 2, 5, 0, 3, 1, 4]], None, args)
+    assert rows_in(calls, batch) == [[6, 2, 5], [0, 3], [1, 4]]
 
 
 def test_a_minibatch_as_large_as_the_batch_is_one_step_per_epoch(monkeypatch):
