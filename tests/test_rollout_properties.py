@@ -8,11 +8,13 @@ token per byte, so a position in the text is a position in the ids) with ChatML'
 ids, and the simulated user is the rule user. One slow test repeats the template check on SmolLM2's own
 tokenizer."""
 import re
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+import common
 import generation
 import rollout
 import simulator
@@ -390,6 +392,33 @@ def test_think_and_reply_budgets_are_each_their_own(byte_tokenizer):
     assert dialogue.format_violations == 1  # the policy did not close its thought itself
 
 
+def test_a_think_budget_that_the_dialogue_budget_binds_leaves_room_for_the_close_and_a_reply(byte_tokenizer):
+    """5 tokens of room beyond a minimal turn (<think> 7 bytes, </think> 8, a reply of MIN_REPLY_TOKENS, 1): the
+    thought may take 6, not its own 40 (nor 14, forgetting the close); the reply takes what is left, MIN_REPLY_TOKENS, not 30."""
+    opening = "My sister skipped my wedding."
+    prompt_length = len(byte_tokenizer.apply_chat_template(
+        generation.policy_messages("en", True) + [{"role": "user", "content": opening}],
+        tokenize=True, return_dict=False, add_generation_prompt=True))
+    args = DialogueArguments(think=True, max_turns=2, max_think_tokens=40, max_reply_tokens=30,
+                             max_dialogue_tokens=prompt_length + rollout.MIN_REPLY_TOKENS + 7 + 8 + 1 + 5)
+    scripts = ["weighing every word", "I hear you, that is painful." + END]
+    [dialogue], policy = play(byte_tokenizer, args, {opening: scripts})
+    check_against_oracle(byte_tokenizer, args, dialogue, opening, scripts, policy.calls)
+    assert [call["budgets"] for call in policy.calls if call["contexts"]] == [[6], [rollout.MIN_REPLY_TOKENS]]
+    assert dialogue.end_reason == "token_budget" and len(dialogue.context()) == args.max_dialogue_tokens
+
+
+def test_a_thought_closed_at_once_is_an_empty_closed_thought(byte_tokenizer):
+    """The policy's first sampled tokens are </think>: found, though the close starts at the very first token."""
+    args = DialogueArguments(think=True, max_turns=1, max_think_tokens=20, max_reply_tokens=30,
+                             max_dialogue_tokens=100_000)
+    scripts = [THINK_CLOSE + "ignored", "I hear you." + END]
+    [dialogue], policy = play(byte_tokenizer, args, {"OPENING": scripts})
+    check_against_oracle(byte_tokenizer, args, dialogue, "OPENING", scripts, policy.calls)
+    assert dialogue.thought_ids == [byte_tokenizer(THINK_CLOSE, add_special_tokens=False)["input_ids"]]
+    assert (dialogue.think_texts, dialogue.reply_texts, dialogue.format_violations) == ([""], ["I hear you."], 0)
+
+
 def test_a_thought_the_policy_closes_is_kept_through_its_close_and_is_well_formed(byte_tokenizer):
     args = DialogueArguments(think=True, max_turns=1, max_think_tokens=40, max_reply_tokens=30,
                              max_dialogue_tokens=100_000)
@@ -654,6 +683,21 @@ def test_resume_keeps_the_whole_rows_of_earlier_steps_wherever_the_last_line_was
     assert dropped == sum(row["step"] >= step for row in whole)
 
 
+def test_resume_without_a_transcripts_file_drops_nothing(tmp_path):
+    assert rollout.keep_rows_before(tmp_path / "transcripts.jsonl", 3) == 0
+    assert not (tmp_path / "transcripts.jsonl").exists()
+
+
+@pytest.mark.parametrize("line", ['{"id": "a"}', '{"step": "2"}', '[2, "a"]', '"step"'])
+def test_resume_refuses_a_row_without_its_step_naming_its_line_and_leaves_the_file(tmp_path, line):
+    path = tmp_path / "transcripts.jsonl"
+    path.write_text(f'{{"step": 0}}\n{line}\n{{"step": 1}}\n')
+    before = path.read_bytes()
+    with pytest.raises(common.InputError, match=r"transcripts.jsonl:2: a row without its step"):
+        rollout.keep_rows_before(path, 1)
+    assert path.read_bytes() == before
+
+
 def test_a_killed_step_is_trimmed_and_written_again_to_the_same_rows(byte_tokenizer, tmp_path):
     import json
 
@@ -675,6 +719,74 @@ def test_a_killed_step_is_trimmed_and_written_again_to_the_same_rows(byte_tokeni
     assert [(row["step"], row["id"]) for row in rows] == [(step, PROFILE.id) for step in (0, 0, 1, 1, 2, 2)]
     assert rows[-2:] == [json.loads(json.dumps(d.transcript(2), ensure_ascii=False)) for d in dialogues]
     assert rows[-2]["think_texts"] == ["she is hurt", "more"] and rows[-2]["format_violations"] == 1
+
+
+# --------------------------------------------------------------------------------------------
+# TransformersGenerator at model.generate's edge: what it asks for, what it keeps of what comes back
+# --------------------------------------------------------------------------------------------
+
+class ScriptedGenerateModel:
+    """Stands in for a transformers model: `generate` takes what the real one takes here (keywords only, a
+    GenerationConfig) and returns the contexts followed by scripted new tokens, every row as long as the longest
+    budget and padded after its end, as the real one returns them."""
+
+    def __init__(self, new_tokens: list[list[int]], pad_id: int):
+        import torch
+
+        self.new_tokens, self.pad_id, self.configs = new_tokens, pad_id, []
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def parameters(self):
+        return iter([self.weight])
+
+    def generate(self, *, input_ids, attention_mask, generation_config, tokenizer, synced_gpus, **cache):
+        import torch
+
+        assert set(cache) == {generation.GENERATE_CACHE_NAME} and not synced_gpus
+        assert input_ids.shape == attention_mask.shape
+        self.configs.append(generation_config)
+        width = generation_config.max_new_tokens
+        rows = [(row + [self.pad_id] * width)[:width] for row in self.new_tokens]
+        return SimpleNamespace(sequences=torch.cat([input_ids, torch.tensor(rows)], dim=1))
+
+
+def test_the_generator_keeps_each_row_up_to_its_first_end_token_and_within_its_own_budget(byte_tokenizer):
+    from transformers import GenerationConfig
+
+    new_tokens = [[40, 41, IM_END, 42, 43], [44, 45, 46, OTHER_END, 47], [OTHER_END, 48, 49, 50, 51]]
+    model = ScriptedGenerateModel(new_tokens, pad_id=IM_END)
+    generate = generation.TransformersGenerator(model, byte_tokenizer, GenerationConfig(
+        do_sample=True, temperature=0.7, eos_token_id=IM_END, pad_token_id=IM_END), prefix_cache=False)
+    sampled, logprobs = generate([[30, 31, 32], [33], [34, 35]], [5, 3, 4], stop=THINK_CLOSE)
+    assert sampled == [[40, 41, IM_END], [44, 45, 46], [OTHER_END]] and logprobs is None
+    [config] = model.configs
+    assert (config.max_new_tokens, config.eos_token_id, config.stop_strings) == (5, [OTHER_END, IM_END], [THINK_CLOSE])
+    assert config.temperature == 0.7 and generate.generation_config.max_new_tokens != 5  # a copy was changed
+
+
+@pytest.mark.parametrize("temperature, top_p, sampling", [
+    (0.7, 0.9, dict(do_sample=True, temperature=0.7, top_p=0.9, top_k=0)),
+    (1.3, 0.5, dict(do_sample=True, temperature=1.3, top_p=0.5, top_k=0)),
+    (0.0, 0.9, dict(do_sample=False, temperature=None, top_p=None, top_k=None)),
+])
+def test_the_evaluations_generator_samples_at_the_given_temperature_and_top_p(byte_tokenizer, monkeypatch,
+                                                                              temperature, top_p, sampling):
+    from transformers import AutoModelForCausalLM
+
+    loaded = []
+    model = ScriptedGenerateModel([[IM_END]], pad_id=IM_END)
+    model.eval = lambda: model
+
+    def from_pretrained(folder):
+        loaded.append(folder)
+        return model
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    args = SimpleNamespace(use_vllm=False, temperature=temperature, top_p=top_p, seed=0)
+    generate = generation.load_generator(args, "the/folder", byte_tokenizer)
+    assert loaded == ["the/folder"] and generate.model is model
+    config = generate.generation_config
+    assert {key: getattr(config, key) for key in sampling} == sampling
+    assert set(generation._as_list(config.eos_token_id)) == {IM_END, OTHER_END}
 
 
 # --------------------------------------------------------------------------------------------
