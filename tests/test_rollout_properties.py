@@ -644,6 +644,19 @@ def test_too_many_simulator_failures_stop_above_the_share_or_when_all_are_lost(f
         rollout.check_failures(dialogues, share)
 
 
+@pytest.mark.parametrize("processes", [2, 3])
+def test_with_several_processes_every_ranks_failures_count(monkeypatch, processes):
+    """This rank lost none of its 4 dialogues; the others lost 3 of theirs: 3 of 4 + 4 x (processes - 1) is over a
+    share of 0.1 on every rank, which each rank decides from the gathered counts, naming the last error."""
+    import accelerate.utils
+
+    others = [(3, 4, "error on rank 1")] + [(0, 4, None)] * (processes - 2)
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda counts: counts + others)
+    total = 4 * processes
+    with pytest.raises(rollout.TooManySimulatorFailures, match=rf"^3 of {total} dialogues .*error on rank 1$"):
+        rollout.check_failures([KEPT] * 4, 0.1, SimpleNamespace(num_processes=processes))
+
+
 def test_no_dialogues_is_no_failure():
     rollout.check_failures([], 0.0)
 
