@@ -597,3 +597,55 @@ def test_the_drawn_curve_is_a_trailing_five_step_mean():
     values = [float(v) for v in (3, 9, 1, 7, 12, 4, 8, 20)]
     expected = [np.mean(values[max(0, i - 4):i + 1]) for i in range(len(values))]
     assert plot_training.smooth(values) == pytest.approx(expected)
+
+
+# --------------------------------------------------------------------------------------------
+# Settings reach their place; every item is generated once
+# --------------------------------------------------------------------------------------------
+
+def test_the_benchmark_plays_with_its_own_budgets_each_in_its_place():
+    args = eval_sentient.EvalArguments(think=True, max_think_tokens=24, max_reply_tokens=80, max_dialogue_tokens=3000,
+                                       batch_size=3)
+    dialogue_args = eval_sentient.benchmark_dialogues(args)
+    assert (dialogue_args.think, dialogue_args.max_think_tokens, dialogue_args.max_reply_tokens,
+            dialogue_args.max_dialogue_tokens, dialogue_args.simulator_concurrency) == (True, 24, 80, 3000, 3)
+    assert (dialogue_args.start_emotion, dialogue_args.max_turns) == (40, 9)  # the benchmark's, not training's
+
+
+@pytest.mark.parametrize("spacing", [" ", "\n", "  \t"])
+def test_an_intention_text_with_spaces_around_it_is_still_its_intention(spacing):
+    for key, texts in simulator.INTENTIONS.items():
+        for text in texts:
+            assert eval_sentient.intention_of({"task": f"{spacing}{text}{spacing}"}) == key
+
+
+def test_run_task_generates_each_item_once_in_batches_seeded_by_their_position(tmp_path):
+    """5 items in batches of 2: 3 calls of 2, 2 and 1 prompts seeded 7, 9 and 11; resumed with items 0, 1 and 3
+    done, the rest in their own batches, seeded as an uninterrupted run seeds them."""
+    items = [{"id": f"m{index}", "messages": [{"role": "user", "content": f"What is {index} + 1?"}],
+              "answer": str(index + 1), "subject": "Algebra", "level": 1} for index in range(5)]
+    args = eval_general.GeneralEvalArguments(batch_size=2, seed=7, max_new_tokens=16)
+    calls = []
+
+    def backend(conversations, max_new_tokens, seed):
+        calls.append(([conversation[-1]["content"] for conversation in conversations], max_new_tokens, seed))
+        return [f"\\boxed{{{int(conversation[-1]['content'].split()[2]) + 1}}}" for conversation in conversations]
+
+    class Bar:
+        def __init__(self, **kwargs):
+            self.updates = []
+
+        def update(self, count):
+            self.updates.append(count)
+
+        def close(self):
+            pass
+
+    rows = eval_general.run_task("math500", items, set(), args, backend, tmp_path / "a", Bar)
+    assert [(len(prompts), seed) for prompts, _, seed in calls] == [(2, 7), (2, 9), (1, 11)]
+    assert [row["id"] for row in rows] == [item["id"] for item in items]
+    assert all(row["verdict"]["correct"] for row in rows) and {tokens for _, tokens, _ in calls} == {16}
+    calls.clear()
+    rows = eval_general.run_task("math500", items, {"m0", "m1", "m3"}, args, backend, tmp_path / "b", Bar)
+    assert [(prompts, seed) for prompts, _, seed in calls] == [(["What is 2 + 1?"], 9), (["What is 4 + 1?"], 11)]
+    assert [row["id"] for row in rows] == ["m2", "m4"]

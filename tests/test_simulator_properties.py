@@ -600,3 +600,13 @@ def test_the_language_follows_the_hidden_intention_not_the_personality(task_lang
 def test_any_bad_required_field_is_named_with_where_it_is(field, value, line):
     with pytest.raises(ProfileError, match=rf"^f.jsonl:{line}: field '{field}'"):
         simulator.parse_profile(profile_row(**{field: value}), f"f.jsonl:{line}")
+
+
+@pytest.mark.parametrize("text, read", [
+    ("I can\u2019t imagine", "I can't imagine"), ("\u2018never\u2019", "'never'"),
+    ("\uff24\uff41\uff4e\uff41", "Dana"),  # full-width letters
+    ("so\u00adunds\u200b", "sounds"),  # a soft hyphen and a zero-width space
+    ("\u0441\u043ere", "core"),  # Cyrillic letters that look Latin
+])
+def test_the_rule_user_reads_typographic_and_disguised_text_as_plain_text(text, read):
+    assert rule_user.normalise(text) == read
