@@ -35,7 +35,7 @@ TESTS_OF_FILE = {
     "train_ppo.py": ["tests/test_train_ppo.py", "tests/test_ppo_oracles.py", "tests/test_turn_credit.py"],
     "train_grpo.py": ["tests/test_train_grpo.py", "tests/test_grpo_oracles.py", "tests/test_turn_credit.py"],
     "rollout.py": ["tests/test_rollout.py", "tests/test_rollout_properties.py", "tests/test_turn_credit.py"],
-    "generation.py": ["-k", "not slow or cached_prefix", "tests/test_rollout.py", "tests/test_rollout_properties.py",
+    "generation.py": ["-k", "not slow or cached_prefix or prefills_every_call or half_of_the_new", "tests/test_rollout.py", "tests/test_rollout_properties.py",
                       "tests/test_generation_ends.py"],  # the prefix cache's tests load a tiny model
     "simulator.py": ["tests/test_llm_simulator.py", "tests/test_rule_simulator.py", "tests/test_analysis_format.py",
                      "tests/test_simulator_properties.py"],

@@ -882,3 +882,19 @@ def test_a_generator_without_the_prefix_cache_prefills_every_call_afresh(sharp_t
     (fresh, _, fresh_prefill), (cached, _, cached_prefill) = outcomes
     assert fresh == cached
     assert (fresh_prefill, cached_prefill) == (len(context) + 5, 1)  # cached: only the last sampled token
+
+
+@pytest.mark.parametrize("extra_over_half, reused", [(0, True), (1, False)])
+def test_the_cache_is_reused_while_at_least_half_of_the_new_context_is_cached(sharp_tiny, extra_over_half, reused):
+    """c tokens cached (the old context and all but the last sampled token); a new context of exactly 2c tokens
+    continues the cache (only its c uncached tokens are fed), one of 2c + 1 is prefilled afresh."""
+    model, tokenizer = sharp_tiny
+    old = tokenizer("My sister skipped my wedding last June.", add_special_tokens=False)["input_ids"]
+    generate = greedy(model, tokenizer, prefix_cache=True)
+    [first], _ = generate([old], [6])
+    assert tokenizer.eos_token_id not in first
+    cached = len(old) + len(first) - 1
+    filler = tokenizer(" and then what?" * 40, add_special_tokens=False)["input_ids"]
+    context = old + first + filler[:2 * cached + extra_over_half - len(old) - len(first)]
+    _, _, prefill = recorded(model, generate, [context], [2])
+    assert prefill == (len(context) - cached if reused else len(context))

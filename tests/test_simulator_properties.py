@@ -337,6 +337,7 @@ def test_a_flat_reply_still_earns_the_next_line_of_the_story(make_profile):
     # A reply that did not hurt (change 0) earns more of the story, as a gain does; a loss does not.
     [flat] = play_rule_dialogue(make_profile("venting", "passive"), [ON_TOPIC_FLAT])
     assert flat.change == 0 and OWN_WORDS[1] in flat.message
+    assert any(flat.message.startswith(r) for r in rule_user.REACTIONS["flat"])  # a shrug, not "not what I need"
     [loss] = play_rule_dialogue(make_profile("venting", "passive"), [DISMISSIVE])
     assert loss.change < 0 and not any(line in loss.message for line in OWN_WORDS)
 
@@ -423,6 +424,16 @@ def test_the_reply_prompt_shows_the_clamped_emotion_not_the_judged_one(make_prof
     assert "Your emotion moved by -7 and is now 32 out of 100, state C" in second_reply_prompt
     assert "between -7 and +7" in chat.sent[0][-1]["content"]  # the analysis asks within the configured bound
     assert [(t.raw_change, t.change, t.emotion, t.clamped) for t in turns] == [(40, 7, 39, True), (-30, -7, 32, True)]
+
+
+def test_the_reply_prompt_carries_the_analysis_reasoning_and_the_reply_reaches_the_history(make_profile):
+    answers = ["She named Dana and the empty seat.\nIt felt heard.\nCHANGE: +4", "Yes, exactly."]
+    user, chat, _ = run(llm_turns(make_profile(first_talk="Hi."), answers, ["Dana's empty seat hurt you."]))
+    reply_prompt = chat.sent[1][-1]["content"]
+    assert "She named Dana and the empty seat.\nIt felt heard." in reply_prompt
+    assert reply_prompt.count("Dana's empty seat hurt you.") == chat.sent[0][-1]["content"].count(
+        "Dana's empty seat hurt you.")  # the reply appears where the analysis showed it, not as the reasoning
+    assert [m["content"] for m in user.history if m["role"] == "assistant"] == ["Dana's empty seat hurt you."]
 
 
 def test_the_reply_prompt_shows_the_emotion_capped_at_one_hundred(make_profile):
