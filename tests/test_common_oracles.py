@@ -257,7 +257,7 @@ def test_blank_lines_are_skipped_but_keep_their_numbers(tmp_path):
     assert [(number, row) for number, _, row in common.json_lines(path, "rows")] == [(2, {"a": 1}), (4, {"a": 2})]
 
 
-def test_repair_leaves_an_empty_file_and_a_file_ending_in_a_newline_alone(tmp_path):
+def test_repair_leaves_an_empty_file_and_a_file_ending_in_a_newline_alone(tmp_path, capsys):
     empty, whole = tmp_path / "empty.jsonl", tmp_path / "whole.jsonl"
     empty.write_bytes(b"")
     whole.write_bytes(b'{"a": 1}\n{"a": 2}\n')
@@ -265,6 +265,7 @@ def test_repair_leaves_an_empty_file_and_a_file_ending_in_a_newline_alone(tmp_pa
         common.repair_last_line(path)
     assert (empty.read_bytes(), whole.read_bytes()) == (b"", b'{"a": 1}\n{"a": 2}\n')
     assert not (tmp_path / "missing.jsonl").exists()
+    assert capsys.readouterr().err == ""  # nothing was cut, so nothing is said
 
 
 def test_a_one_line_file_cut_short_is_emptied(tmp_path, capsys):
