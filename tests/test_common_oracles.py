@@ -274,3 +274,12 @@ def test_a_one_line_file_cut_short_is_emptied(tmp_path, capsys):
     common.repair_last_line(path)
     assert path.read_bytes() == b""
     assert "rows.jsonl:1: the last line was cut short" in capsys.readouterr().err
+
+
+def test_a_cut_last_line_is_named_by_its_line_and_its_bytes_after_blank_and_whole_lines(tmp_path, capsys):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'\n{"a": 1}\n{"a": 2, "b')  # a blank first line, a whole row, 11 bytes cut short
+    common.repair_last_line(path)
+    assert path.read_bytes() == b'\n{"a": 1}\n'
+    assert "rows.jsonl:3: the last line was cut short (a run killed while writing it?); dropped (11 bytes)" in \
+        capsys.readouterr().err
