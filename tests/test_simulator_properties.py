@@ -621,3 +621,18 @@ def test_any_bad_required_field_is_named_with_where_it_is(field, value, line):
 ])
 def test_the_rule_user_reads_typographic_and_disguised_text_as_plain_text(text, read):
     assert rule_user.normalise(text) == read
+
+
+def test_the_rule_users_reasoning_names_the_need_the_acts_and_the_first_words_taken_up(make_profile):
+    """Six of the opening's words taken up and eight of the story not told yet: the reasoning lists the first five
+    and the first three, sorted (keys are cut to five letters), and names the need with spaces."""
+    [turn] = play_rule_dialogue(make_profile("deep_empathy", "passive"), [
+        "Your sister Dana skipped the wedding in Lisbon and you still keep thinking about it: the concert photos, "
+        "the cancelled flight, the seat you saved beside your mother."])
+    assert turn.reasoning == (
+        "for 'deep empathy': welcome nothing; unwelcome nothing; took up 6 of my own words (dana, lisbo, siste, "
+        "skipp, think), 6 of what I said last, and 8 of my story (cance, conce, fligh) (+0)")
+    [generic] = play_rule_dialogue(make_profile("deep_empathy", "passive"), [
+        "So the concert photos and the cancelled flight came out, and the seat stayed empty beside your mother."])
+    assert generic.reasoning == ("nothing about what I just told you: took up 0 of my own words (none), 0 of what I "
+                                 "said last (-5)")  # the story guessed without a word of mine: not listed
