@@ -5,6 +5,7 @@ Inputs are chosen so that plausible wrong versions give different numbers: thres
 on each side, groups and prompts of different sizes (the denominator shows), strict and loose verdicts that
 differ, several boxed answers, runs whose length is not a multiple of five.
 """
+import asyncio
 import json
 import math
 from html.parser import HTMLParser
@@ -12,6 +13,7 @@ from html.parser import HTMLParser
 import numpy as np
 import pytest
 from conftest import write_jsonl
+from test_rollout_properties import IM_END, byte_tokenizer  # noqa: F401 (a fixture)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -649,3 +651,81 @@ def test_run_task_generates_each_item_once_in_batches_seeded_by_their_position(t
     rows = eval_general.run_task("math500", items, {"m0", "m1", "m3"}, args, backend, tmp_path / "b", Bar)
     assert [(prompts, seed) for prompts, _, seed in calls] == [(["What is 2 + 1?"], 9), (["What is 4 + 1?"], 11)]
     assert [row["id"] for row in rows] == ["m2", "m4"]
+
+
+def test_general_comparisons_take_only_the_tasks_both_folders_hold(tmp_path):
+    base, trained = tmp_path / "base", tmp_path / "trained"
+    base.mkdir(), trained.mkdir()
+    for folder, tasks in ((base, ("math500", "ifeval", "humaneval")), (trained, ("ifeval", "humaneval", "livecodebench"))):
+        for task in tasks:
+            (folder / f"{task}.jsonl").write_text("")
+    assert eval_general.result_files(str(base), str(trained)) == {
+        task: (base / f"{task}.jsonl", trained / f"{task}.jsonl") for task in ("humaneval", "ifeval")}
+
+
+def test_an_endpoints_requests_are_seeded_one_apart_within_a_batch_and_unseeded_when_greedy():
+    from fake_openai import FakeOpenAIServer
+
+    conversations = [[{"role": "user", "content": f"Question {index}"}] for index in range(3)]
+    for temperature, seeds in ((0.7, {"Question 0": 5, "Question 1": 6, "Question 2": 7}),
+                               (0.0, dict.fromkeys(["Question 0", "Question 1", "Question 2"]))):
+        with FakeOpenAIServer(models=["tested"], default="42") as server:
+            backend = eval_general.EndpointBackend(eval_general.GeneralEvalArguments(
+                model="tested", model_base_url=server.base_url, temperature=temperature))
+            assert backend(conversations, 16, seed=5) == ["42"] * 3
+        assert {body["messages"][-1]["content"]: body.get("seed") for body in server.requests} == seeds
+        assert {body["max_tokens"] for body in server.requests} == {16}
+
+
+def test_the_benchmark_against_an_endpoint_seeds_each_scenario_by_its_position(tmp_path):
+    """Three scenarios, the second already done: the others' every request carries seed 11 + their index."""
+    from fake_openai import FakeOpenAIServer
+
+    profiles = simulator.load_profiles(simulator.DEFAULT_BENCHMARK_PROFILES, require_first_talk=True)[:3]
+    reply = "It sounds like that really hurt, and I am listening."
+    with FakeOpenAIServer(models=["tested"], default=reply) as server:
+        args = eval_sentient.EvalArguments(model="tested", model_base_url=server.base_url, seed=11)
+        rows = []
+        asyncio.run(eval_sentient.play_endpoint(args, simulator.SimulatorArguments(), None, profiles,
+                                                {profiles[1].id}, tmp_path / "r.jsonl", rows.extend))
+    assert sorted(row["id"] for row in rows) == sorted([profiles[0].id, profiles[2].id])
+    opening_seed = {body["messages"][1]["content"]: body["seed"] for body in server.requests}
+    assert opening_seed == {profiles[0].first_talk: 11, profiles[2].first_talk: 13}
+
+
+def test_a_resumed_local_benchmark_plays_every_unfinished_batch_seeded_by_its_position(monkeypatch, tmp_path,
+                                                                                      byte_tokenizer):
+    """Five scenarios in batches of 2, scenarios 0, 1 and 3 done: the first batch is skipped whole, then scenario
+    2 is played seeded 3 + 2 and scenario 4 seeded 3 + 4, as the uninterrupted run seeded their batches."""
+    import torch
+
+    import generation
+
+    profiles = simulator.load_profiles(simulator.DEFAULT_BENCHMARK_PROFILES, require_first_talk=True)[:5]
+    reply = byte_tokenizer("I hear how much that hurt.", add_special_tokens=False)["input_ids"] + [IM_END]
+    openings, seeds = [], []
+
+    def generate(contexts, budgets, stop=None):
+        openings.append([byte_tokenizer.decode(context) for context in contexts])
+        return [reply[:budget] for budget in budgets], None
+
+    monkeypatch.setattr(generation, "load_tokenizer", lambda args: ("the/folder", byte_tokenizer))
+    monkeypatch.setattr(generation, "load_generator", lambda args, folder, tokenizer: generate)
+    monkeypatch.setattr(eval_sentient.common, "use_all_cpu_cores", lambda: None)
+    monkeypatch.setattr(torch, "manual_seed", seeds.append)
+    args = eval_sentient.EvalArguments(seed=3, batch_size=2, max_reply_tokens=40)
+    rows = []
+    eval_sentient.play_local(args, simulator.SimulatorArguments(), None, profiles,
+                             {profiles[0].id, profiles[1].id, profiles[3].id}, tmp_path / "r.jsonl", rows.extend)
+    assert seeds == [5, 7]
+    assert [row["id"] for row in rows] == [profiles[2].id, profiles[4].id]
+    assert [row["id"] for row in eval_sentient.read_results(tmp_path / "r.jsonl")] == [profiles[2].id, profiles[4].id]
+    played = {index for index, profile in enumerate(profiles) for call in openings for context in call
+              if profile.first_talk in context}
+    assert played == {2, 4}  # the finished scenarios are not played again
+
+
+@pytest.mark.parametrize("tasks, names", [("math500,ifeval", ["math500", "ifeval"]),
+                                          (" math500 , ifeval ,", ["math500", "ifeval"]), ("humaneval", ["humaneval"])])
+def test_task_names_are_read_without_the_spaces_around_them(tasks, names):
+    assert eval_general.task_list(tasks) == names

@@ -580,3 +580,10 @@ def test_a_run_plays_dialogues_per_profile_of_each_profile_and_trains_a_second_e
                                      "--learning_rate", "0.05", "--clip_range", "0.01", "--value_clip_range", "0.5")
     assert len(transcripts) == 3 and len({row["id"] for row in transcripts}) == 1
     assert metrics["ppo/clip_fraction"] > 0
+
+
+def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
+    assert train_ppo.newest_checkpoint(tmp_path) is None
+    for name in ("checkpoint-9", "checkpoint-10", "checkpoint-2", "checkpoint-11.partial", "checkpoint-x"):
+        (tmp_path / name).mkdir()
+    assert train_ppo.newest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"

@@ -898,3 +898,17 @@ def test_the_cache_is_reused_while_at_least_half_of_the_new_context_is_cached(sh
     context = old + first + filler[:2 * cached + extra_over_half - len(old) - len(first)]
     _, _, prefill = recorded(model, generate, [context], [2])
     assert prefill == (len(context) - cached if reused else len(context))
+
+
+def test_contexts_are_padded_on_the_left_with_a_mask_of_their_own_tokens():
+    input_ids, attention_mask = generation.left_padded([[5, 6, 7], [8], [9, 10]], pad_id=2)
+    assert input_ids.tolist() == [[5, 6, 7], [2, 2, 8], [2, 9, 10]]
+    assert attention_mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+
+
+def test_a_dialogues_simulated_user_gets_every_setting_of_the_dialogue_and_the_simulator():
+    dialogue_args = DialogueArguments(start_emotion=37, max_turns=3)
+    simulator_args = simulator.SimulatorArguments(variant="challenging", change_bound=4, language="en")
+    user = rollout.new_simulator(PROFILE, None, dialogue_args, simulator_args)
+    assert (user.emotion, user.max_turns, user.variant, user.change_bound, user.language) == (
+        37, 3, "challenging", 4, "en")

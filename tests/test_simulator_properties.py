@@ -636,3 +636,13 @@ def test_the_rule_users_reasoning_names_the_need_the_acts_and_the_first_words_ta
         "So the concert photos and the cancelled flight came out, and the seat stayed empty beside your mother."])
     assert generic.reasoning == ("nothing about what I just told you: took up 0 of my own words (none), 0 of what I "
                                  "said last (-5)")  # the story guessed without a word of mine: not listed
+
+
+@pytest.mark.parametrize("patterns, text, cues", [
+    (("ab", "cd"), "ab cd", 2), (("ab", "cd"), "abcd", 2),  # apart, and touching: two cues
+    (("ab", "bc"), "abc", 1), (("ab", "bc"), "abcbc", 2),  # "ab" and "bc" overlap: one cue; then "bc" once more
+    (("ab", "cd"), "xx", 0),
+])
+def test_cues_are_counted_once_where_they_overlap_and_twice_where_they_only_touch(monkeypatch, patterns, text, cues):
+    monkeypatch.setattr(rule_user, "ACTS", {f"act{index}": re.compile(pattern) for index, pattern in enumerate(patterns)})
+    assert rule_user.cue_count(text) == cues
