@@ -283,3 +283,35 @@ def test_a_cut_last_line_is_named_by_its_line_and_its_bytes_after_blank_and_whol
     assert path.read_bytes() == b'\n{"a": 1}\n'
     assert "rows.jsonl:3: the last line was cut short (a run killed while writing it?); dropped (11 bytes)" in \
         capsys.readouterr().err
+
+
+def test_the_api_key_comes_from_the_named_variable(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "the-default-key")
+    monkeypatch.setenv("MY_SIM_KEY", "the-named-key")
+    client = common.ChatClient("http://127.0.0.1:9/v1", "m", api_key_env="MY_SIM_KEY")
+    assert client.client.api_key == "the-named-key"
+    monkeypatch.delenv("MY_SIM_KEY")
+    assert common.ChatClient("http://127.0.0.1:9/v1", "m", api_key_env="MY_SIM_KEY").client.api_key == "EMPTY"
+
+
+def test_a_seed_of_zero_is_sent_as_zero():
+    from fake_openai import FakeOpenAIServer
+
+    import asyncio
+
+    with FakeOpenAIServer(models=["m"], default="ok") as server:
+        client = common.ChatClient(server.base_url, "m")
+        for seed in (0, 3, None):
+            assert asyncio.run(client.complete([{"role": "user", "content": "hi"}], seed=seed)) == "ok"
+    assert [body.get("seed", "absent") for body in server.requests] == [0, 3, "absent"]
+
+
+@pytest.mark.parametrize("files, ok", [(["config.json"], True), (["adapter_config.json"], True), (["README.md"], False)])
+def test_a_model_folder_holds_a_model_or_an_adapter(tmp_path, files, ok):
+    for name in files:
+        (tmp_path / name).write_text("{}")
+    if ok:
+        common.check_model_source(str(tmp_path), "model")
+    else:
+        with pytest.raises(common.InputError, match="a folder without a model"):
+            common.check_model_source(str(tmp_path), "model")

@@ -729,3 +729,66 @@ def test_a_resumed_local_benchmark_plays_every_unfinished_batch_seeded_by_its_po
                                           (" math500 , ifeval ,", ["math500", "ifeval"]), ("humaneval", ["humaneval"])])
 def test_task_names_are_read_without_the_spaces_around_them(tasks, names):
     assert eval_general.task_list(tasks) == names
+
+
+def test_result_rows_refuse_a_repeated_scenario_and_take_an_emotion_of_zero(tmp_path):
+    rows = [{"id": "a", "emo_point": 0, "history": []}, {"id": "b", "emo_point": 100, "history": []}]
+    assert [row["emo_point"] for row in eval_sentient.read_results(write_jsonl(tmp_path / "ok.jsonl", rows))] == [0, 100]
+    with pytest.raises(eval_sentient.ResultFileError, match=r"twice.jsonl:3: scenario 'a' appears twice"):
+        eval_sentient.read_results(write_jsonl(tmp_path / "twice.jsonl", rows + rows[:1]))
+
+
+def test_a_livecodebench_window_of_one_day_is_accepted_and_a_reversed_one_refused():
+    eval_general.GeneralEvalArguments(livecodebench_start_date="2024-05-01", livecodebench_end_date="2024-05-01")
+    with pytest.raises(ValueError, match="livecodebench"):
+        eval_general.GeneralEvalArguments(livecodebench_start_date="2024-05-02", livecodebench_end_date="2024-05-01")
+
+
+def test_the_think_instruction_joins_an_existing_system_message_once():
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2 + 2?"}]
+    joined = eval_general.with_think_prompt(messages, think=True)
+    assert [m["role"] for m in joined] == ["system", "user"] and joined[0]["content"].startswith("Be terse.\n\n")
+    assert eval_general.with_think_prompt(messages, think=False) == messages
+    alone = eval_general.with_think_prompt(messages[1:], think=True)
+    assert [m["role"] for m in alone] == ["system", "user"] and alone[1] == messages[1]
+
+
+def test_a_humaneval_reply_with_only_a_body_continues_the_prompts_signature():
+    problem = {"prompt": "import math\n\ndef f(x):\n    \"\"\"Double.\"\"\"\n", "entry_point": "f",
+               "test": "def check(candidate):\n    assert candidate(2) == 4\n"}
+    body = eval_general.humaneval_program(problem, "```python\n    return 2 * x\n```")
+    assert body.startswith(problem["prompt"] + "    return 2 * x")
+    whole = eval_general.humaneval_program(problem, "```python\ndef f(x):\n    return x + x\n```")
+    assert whole.startswith(problem["prompt"] + "\n    pass\n\ndef f(x):\n    return x + x")
+    for program in (body, whole):
+        assert program.rstrip().endswith("check(f)")
+
+
+def test_a_limited_run_returns_only_the_items_within_its_limit(tmp_path):
+    items = [{"id": f"m{index}", "messages": [{"role": "user", "content": f"What is {index} + 1?"}],
+              "answer": str(index + 1), "subject": "Algebra", "level": 1} for index in range(4)]
+    backend = lambda conversations, max_new_tokens, seed: ["\\boxed{0}"] * len(conversations)  # noqa: E731
+
+    class Bar:
+        def __init__(self, **kwargs):
+            pass
+
+        update = close = lambda self, *args: None
+
+    out = tmp_path / "out"
+    eval_general.run_task("math500", items, set(), eval_general.GeneralEvalArguments(batch_size=4), backend, out, Bar)
+    rows = eval_general.run_task("math500", items, {"m0", "m1", "m2", "m3"},
+                                 eval_general.GeneralEvalArguments(batch_size=4, limit=2), backend, out, Bar)
+    assert [row["id"] for row in rows] == ["m0", "m1"]
+
+
+def test_a_run_folders_transcripts_are_every_ranks(tmp_path):
+    write_jsonl(tmp_path / "transcripts.jsonl", [{"id": "a", "step": 0, "emo_point": 40, "history": []}])
+    write_jsonl(tmp_path / "transcripts.rank1.jsonl", [{"id": "b", "step": 0, "emo_point": 50, "history": []}])
+    assert sorted(row["id"] for row in report.read_rows(tmp_path)) == ["a", "b"]
+
+
+@pytest.mark.parametrize("value, number", [(3, True), (2.5, True), (True, False), (False, False),
+                                           (float("nan"), False), ("4", False), (None, False)])
+def test_a_transcript_value_is_a_number_only_if_it_is_a_finite_int_or_float(value, number):
+    assert plot_training._is_number(value) == number

@@ -244,3 +244,25 @@ def test_the_ratios_counted_as_cut_are_those_on_either_bound_among_trained_token
     assert (cut.item(), total.item()) == (sum(keep and (r >= 3.0 or r <= 0.5) for r, keep in pairs),
                                           sum(keep for _, keep in pairs))
     assert not math.isnan(cut.item())
+
+
+@pytest.mark.parametrize("flag", [["--learning_rate", "3e-6"], ["--learning_rate=3e-6"]])
+def test_a_flag_set_either_way_is_not_a_demo_default_kept(tmp_path, flag):
+    config = tmp_path / "run.yaml"
+    config.write_text("max_steps: 3\n")
+    kept = train_grpo.demo_defaults_kept(["--config", str(config), *flag])
+    assert "learning_rate" not in kept and "max_steps" not in kept
+    assert "learning_rate" in train_grpo.demo_defaults_kept(["--config", str(config)])
+
+
+@pytest.mark.parametrize("use_vllm, sleep, warned", [(True, True, True), (False, True, False), (True, False, False)])
+def test_the_sleep_mode_warning_needs_vllm_and_sleep_mode_both(monkeypatch, use_vllm, sleep, warned):
+    import warnings
+
+    monkeypatch.setattr(train_grpo, "missing_trackers", lambda report_to: [])
+    monkeypatch.setattr(train_grpo.common, "check_output_folder", lambda *args: None)
+    args = SimpleNamespace(report_to=[], output_dir="unused", use_vllm=use_vllm, vllm_enable_sleep_mode=sleep)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_grpo.check_setup([], args)
+    assert any("vllm_enable_sleep_mode" in str(w.message) for w in caught) == warned

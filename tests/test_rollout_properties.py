@@ -912,3 +912,11 @@ def test_a_dialogues_simulated_user_gets_every_setting_of_the_dialogue_and_the_s
     user = rollout.new_simulator(PROFILE, None, dialogue_args, simulator_args)
     assert (user.emotion, user.max_turns, user.variant, user.change_bound, user.language) == (
         37, 3, "challenging", 4, "en")
+
+
+@given(st.lists(st.integers(0, 3), max_size=12), st.lists(st.integers(0, 3), max_size=12))
+def test_the_common_prefix_is_the_length_a_plain_loop_finds(a, b):
+    shared = 0
+    while shared < min(len(a), len(b)) and a[shared] == b[shared]:
+        shared += 1
+    assert generation._common_prefix(a, b) == shared

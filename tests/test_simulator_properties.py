@@ -646,3 +646,12 @@ def test_the_rule_users_reasoning_names_the_need_the_acts_and_the_first_words_ta
 def test_cues_are_counted_once_where_they_overlap_and_twice_where_they_only_touch(monkeypatch, patterns, text, cues):
     monkeypatch.setattr(rule_user, "ACTS", {f"act{index}": re.compile(pattern) for index, pattern in enumerate(patterns)})
     assert rule_user.cue_count(text) == cues
+
+
+def test_the_simulators_base_url_flag_beats_the_environment(monkeypatch):
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/from-env")
+    given = simulator.make_chat(simulator.SimulatorArguments(backend="llm", simulator_model="m",
+                                                             base_url="http://127.0.0.1:9/from-flag"))
+    assert given.base_url == "http://127.0.0.1:9/from-flag"
+    assert simulator.make_chat(simulator.SimulatorArguments(backend="llm", simulator_model="m")).base_url == \
+        "http://127.0.0.1:9/from-env"
