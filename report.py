@@ -352,8 +352,8 @@ def main(argv=None) -> None:
             common.check_output_file(args.out, "out")
         if args.compare:
             text = compare_report(*args.compare)
-            first = args.compare[1]
-            default = (first if first.is_dir() else first.parent) / "compare.html"
+            second = args.compare[1]
+            default = (second if second.is_dir() else second.parent) / "compare.html"
         else:
             text = run_report(args.run)
             default = args.run / "report.html" if args.run.is_dir() else args.run.with_suffix(".html")

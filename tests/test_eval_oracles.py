@@ -792,3 +792,13 @@ def test_a_run_folders_transcripts_are_every_ranks(tmp_path):
                                            (float("nan"), False), ("4", False), (None, False)])
 def test_a_transcript_value_is_a_number_only_if_it_is_a_finite_int_or_float(value, number):
     assert plot_training._is_number(value) == number
+
+
+def test_a_comparison_page_goes_beside_run_b_by_default(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    write_jsonl(a / "results.jsonl", SCENARIOS[:3])
+    write_jsonl(b / "results.jsonl", [sage_row(row["id"], [55], row["task"]) for row in SCENARIOS[:3]])
+    report.main(["--compare", str(a / "results.jsonl"), str(b / "results.jsonl")])
+    assert (b / "compare.html").is_file() and not (a / "compare.html").exists()
+    assert f"wrote {b / 'compare.html'}" in capsys.readouterr().out

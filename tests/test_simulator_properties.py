@@ -655,3 +655,30 @@ def test_the_simulators_base_url_flag_beats_the_environment(monkeypatch):
     assert given.base_url == "http://127.0.0.1:9/from-flag"
     assert simulator.make_chat(simulator.SimulatorArguments(backend="llm", simulator_model="m")).base_url == \
         "http://127.0.0.1:9/from-env"
+
+
+@pytest.mark.parametrize("need, reply, lectured", [
+    ("practical_advice", "You need to call Dana tonight.", False),  # one is advice to this need
+    ("practical_advice", "You need to call Dana tonight. You ought to write down what you want to say.", True),
+    ("venting", "You need to call Dana tonight.", True),  # to a need that wants no lecture, one is a lecture
+])
+def test_two_lectures_are_a_lecture_to_any_need_one_only_to_those_that_want_none(make_profile, need, reply, lectured):
+    frictions = rule_user.RuleSimulator(make_profile(need))._frictions(rule_user.normalise(reply))
+    assert any(key == "lecture" for key, _, _ in frictions) == lectured
+
+
+@pytest.mark.parametrize("acts, worth", [
+    (("reasons", "feeling"), "flat"),  # the other side's reasons, asked for; naming a feeling, which this need cannot stand
+    (("reasons", "reflects"), "gain_big"),  # asked for, and heard first: listening this need does not mind counts
+])
+def test_later_listening_counts_as_heard_only_where_the_need_does_not_mind_it(make_profile, acts, worth):
+    from reply_styles import LISTENING_PLAY, compose
+
+    async def go():
+        user = rule_user.RuleSimulator(make_profile("balanced_analysis", "passive"))
+        said = [await user.open()]
+        said.append((await user.respond(compose(LISTENING_PLAY, said, 0))).message)
+        reply = compose(acts, said, 1)
+        assert rule_user.acts_of(rule_user.normalise(reply)) == set(acts)
+        return user.score(reply)[1][0][0]
+    assert asyncio.run(go()) == worth
