@@ -802,3 +802,19 @@ def test_a_comparison_page_goes_beside_run_b_by_default(tmp_path, capsys):
     report.main(["--compare", str(a / "results.jsonl"), str(b / "results.jsonl")])
     assert (b / "compare.html").is_file() and not (a / "compare.html").exists()
     assert f"wrote {b / 'compare.html'}" in capsys.readouterr().out
+
+
+def test_an_endpoint_models_thought_never_returns_to_its_own_context(tmp_path):
+    from fake_openai import FakeOpenAIServer
+
+    [profile] = simulator.load_profiles(simulator.DEFAULT_BENCHMARK_PROFILES, require_first_talk=True)[:1]
+    with FakeOpenAIServer(models=["tested"], default="<think>SECRET plan</think>It sounds like that hurt.") as server:
+        args = eval_sentient.EvalArguments(model="tested", model_base_url=server.base_url, think=True)
+        rows = []
+        asyncio.run(eval_sentient.play_endpoint(args, simulator.SimulatorArguments(), None, [profile], set(),
+                                                tmp_path / "r.jsonl", rows.extend))
+    assert len(server.requests) > 1
+    for turn, body in enumerate(server.requests):  # the prompt's worked examples, then the dialogue so far
+        assert "SECRET" not in json.dumps(body)
+        assert [m["content"] for m in body["messages"]].count("It sounds like that hurt.") == turn
+    assert [m.get("think") for m in rows[0]["history"] if m["role"] == "assistant"][0] == "SECRET plan"
