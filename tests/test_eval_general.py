@@ -502,3 +502,19 @@ def test_a_bad_task_name_or_missing_local_file_fails_before_any_model_loads(tmp_
     result = run_eval("--tasks", "math500", "--math500_path", str(tmp_path / "missing.jsonl"),
                       "--model", str(unloadable))
     assert result.returncode != 0 and "missing.jsonl: data file not found" in result.stderr
+
+
+@pytest.mark.parametrize("start, end, kept", [("2024-07-01", "2024-09-01", {"1", "abc001_a"}),
+                                              ("2024-07-02", "2024-09-01", {"abc001_a"}),
+                                              ("2024-07-01", "2024-08-31", {"1"})])
+def test_the_livecodebench_window_keeps_the_problems_of_its_first_and_last_days(tmp_path, start, end, kept):
+    path = write_jsonl(tmp_path / "test.jsonl", livecodebench_rows())
+    items = eval_general.load_livecodebench(eval_general.GeneralEvalArguments(
+        livecodebench_path=str(path), livecodebench_start_date=start, livecodebench_end_date=end))
+    assert {item["id"] for item in items} == kept
+
+
+def test_a_think_evaluation_gets_its_own_default_folder():
+    plain = eval_general.default_output_dir(eval_general.GeneralEvalArguments(model="runs/grpo-demo/"))
+    think = eval_general.default_output_dir(eval_general.GeneralEvalArguments(model="runs/grpo-demo", think=True))
+    assert (plain, think) == (Path("runs/general/grpo-demo"), Path("runs/general/grpo-demo-think"))

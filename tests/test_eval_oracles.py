@@ -624,7 +624,8 @@ def test_an_intention_text_with_spaces_around_it_is_still_its_intention(spacing)
 def test_run_task_generates_each_item_once_in_batches_seeded_by_their_position(tmp_path):
     """5 items in batches of 2: 3 calls of 2, 2 and 1 prompts seeded 7, 9 and 11; resumed with items 0, 1 and 3
     done, the rest in their own batches, seeded as an uninterrupted run seeds them."""
-    items = [{"id": f"m{index}", "messages": [{"role": "user", "content": f"What is {index} + 1?"}],
+    items = [{"id": f"m{index}", "messages": [{"role": "system", "content": "Solve it."},
+                                               {"role": "user", "content": f"What is {index} + 1?"}],
               "answer": str(index + 1), "subject": "Algebra", "level": 1} for index in range(5)]
     args = eval_general.GeneralEvalArguments(batch_size=2, seed=7, max_new_tokens=16)
     calls = []
@@ -646,6 +647,7 @@ def test_run_task_generates_each_item_once_in_batches_seeded_by_their_position(t
     rows = eval_general.run_task("math500", items, set(), args, backend, tmp_path / "a", Bar)
     assert [(len(prompts), seed) for prompts, _, seed in calls] == [(2, 7), (2, 9), (1, 11)]
     assert [row["id"] for row in rows] == [item["id"] for item in items]
+    assert [row["prompt"] for row in rows] == [f"What is {index} + 1?" for index in range(5)]  # the user's, not the system's
     assert all(row["verdict"]["correct"] for row in rows) and {tokens for _, tokens, _ in calls} == {16}
     calls.clear()
     rows = eval_general.run_task("math500", items, {"m0", "m1", "m3"}, args, backend, tmp_path / "b", Bar)
@@ -809,11 +811,12 @@ def test_an_endpoint_models_thought_never_returns_to_its_own_context(tmp_path):
 
     [profile] = simulator.load_profiles(simulator.DEFAULT_BENCHMARK_PROFILES, require_first_talk=True)[:1]
     with FakeOpenAIServer(models=["tested"], default="<think>SECRET plan</think>It sounds like that hurt.") as server:
-        args = eval_sentient.EvalArguments(model="tested", model_base_url=server.base_url, think=True)
+        args = eval_sentient.EvalArguments(model="tested", model_base_url=server.base_url, think=True,
+                                           max_think_tokens=24, max_reply_tokens=80)
         rows = []
         asyncio.run(eval_sentient.play_endpoint(args, simulator.SimulatorArguments(), None, [profile], set(),
                                                 tmp_path / "r.jsonl", rows.extend))
-    assert len(server.requests) > 1
+    assert len(server.requests) > 1 and {body["max_tokens"] for body in server.requests} == {24 + 80}
     for turn, body in enumerate(server.requests):  # the prompt's worked examples, then the dialogue so far
         assert "SECRET" not in json.dumps(body)
         assert [m["content"] for m in body["messages"]].count("It sounds like that hurt.") == turn

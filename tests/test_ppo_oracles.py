@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import train_ppo
+from test_rollout_properties import byte_tokenizer  # noqa: F401 (a fixture)
 
 # --------------------------------------------------------------------------------------------
 # Random batches: rows of different lengths, actions with gaps (inserted user turns), padding
@@ -587,3 +588,42 @@ def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
     for name in ("checkpoint-9", "checkpoint-10", "checkpoint-2", "checkpoint-11.partial", "checkpoint-x"):
         (tmp_path / name).mkdir()
     assert train_ppo.newest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
+
+
+def test_ranks_share_python_and_numpy_seeds_but_sample_with_their_own_torch_seed():
+    import numpy as np
+
+    draws = []
+    for rank in (0, 1, 0):
+        train_ppo.seed_everything(7, rank)
+        draws.append((random.random(), float(np.random.rand()), torch.rand(1).item()))
+    assert draws[0] == draws[2]  # the same seed and rank: the same draws
+    assert draws[0][:2] == draws[1][:2] and draws[0][2] != draws[1][2]
+
+
+@pytest.mark.parametrize("processes, index, transcripts", [(1, 0, "transcripts.jsonl"), (2, 0, "transcripts.rank0.jsonl"),
+                                                           (2, 1, "transcripts.rank1.jsonl")])
+def test_each_rank_of_several_writes_its_own_transcripts_and_all_share_one_metrics_file(tmp_path, processes, index,
+                                                                                       transcripts):
+    accelerator = SimpleNamespace(num_processes=processes, process_index=index, is_main_process=index == 0)
+    assert train_ppo.run_files(tmp_path, accelerator) == (tmp_path / transcripts, tmp_path / "metrics.jsonl")
+
+
+def test_per_turn_rows_keep_earlier_replies_but_not_earlier_thoughts(byte_tokenizer):
+    """Two think turns: the second row's context is the prompt, the first turn's reply and the user's answer; the
+    first thought, and its <think> tags, are not in it; each row's actions are its own turn's sampled tokens."""
+    from test_rollout_properties import END, play
+
+    from rollout import DialogueArguments
+
+    args = DialogueArguments(think=True, max_turns=2, max_think_tokens=20, max_reply_tokens=30,
+                             max_dialogue_tokens=100_000)
+    [dialogue], _ = play(byte_tokenizer, args, {"OPENING": ["she is hurt</think>", "I hear you, Dana hurt you." + END,
+                                                            "ask more</think>", "Go on." + END]})
+    first, second = train_ppo.per_turn_rows(dialogue)
+    assert second[0][:len(dialogue.prompt_ids)] == dialogue.prompt_ids  # the prompt holds the worked examples
+    text = byte_tokenizer.decode(second[0][len(dialogue.prompt_ids):])
+    assert "I hear you, Dana hurt you." in text and "she is hurt" not in text and text.count("<think>") == 1
+    assert byte_tokenizer.decode([t for t, m in zip(second[0], second[1]) if m]) == "ask more</think>Go on.<|im_end|>"
+    assert byte_tokenizer.decode([t for t, m in zip(first[0], first[1]) if m]) == \
+        "she is hurt</think>I hear you, Dana hurt you.<|im_end|>"

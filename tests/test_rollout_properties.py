@@ -920,3 +920,29 @@ def test_the_common_prefix_is_the_length_a_plain_loop_finds(a, b):
     while shared < min(len(a), len(b)) and a[shared] == b[shared]:
         shared += 1
     assert generation._common_prefix(a, b) == shared
+
+
+def test_the_policys_prompt_follows_the_simulators_language_flag_over_the_profiles(byte_tokenizer):
+    english = DialogueRunner(byte_tokenizer, DialogueArguments(), simulator.SimulatorArguments())
+    chinese = DialogueRunner(byte_tokenizer, DialogueArguments(), simulator.SimulatorArguments(language="zh"))
+    try:
+        assert generation.policy_system_prompt("en", False) in byte_tokenizer.decode(english.prompt_ids(PROFILE, "Hi."))
+        assert generation.policy_system_prompt("zh", False) in byte_tokenizer.decode(chinese.prompt_ids(PROFILE, "Hi."))
+    finally:
+        english.close(), chinese.close()
+
+
+def test_the_vllm_server_generator_sends_one_request_per_budget_with_that_budget():
+    class Client:  # TRL's VLLMClient.generate, as the fake vLLM server answers it
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, n, temperature, max_tokens, logprobs, generation_kwargs):
+            self.calls.append((prompts, max_tokens))
+            return {"completion_ids": [[7] * 12 for _ in prompts], "logprobs": [[[-0.5]] * 12 for _ in prompts]}
+
+    generator = generation.VLLMServerGenerator.__new__(generation.VLLMServerGenerator)
+    generator.client, generator.temperature = Client(), 0.9
+    sampled, logprobs = generator([[1], [2], [3]], [5, 9, 5])
+    assert generator.client.calls == [([[1], [3]], 5), ([[2]], 9)]
+    assert [len(ids) for ids in sampled] == [5, 9, 5] and [len(lps) for lps in logprobs] == [5, 9, 5]

@@ -682,3 +682,15 @@ def test_later_listening_counts_as_heard_only_where_the_need_does_not_mind_it(ma
         assert rule_user.acts_of(rule_user.normalise(reply)) == set(acts)
         return user.score(reply)[1][0][0]
     assert asyncio.run(go()) == worth
+
+
+@pytest.mark.parametrize("reply, only_questions", [
+    ("What was it like when Dana skipped your wedding in Lisbon?", False),  # one question is a question
+    ("What was it like when Dana skipped your wedding in Lisbon? Why do you think your sister did it?", True),
+])
+def test_only_questions_takes_two_of_them(make_profile, reply, only_questions):
+    async def go():
+        user = rule_user.RuleSimulator(make_profile("venting", "passive"))
+        await user.open()
+        return user.score(reply)[1]
+    assert any(key == "questions" for key, _, _ in asyncio.run(go())) == only_questions
