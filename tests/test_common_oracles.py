@@ -315,3 +315,18 @@ def test_a_model_folder_holds_a_model_or_an_adapter(tmp_path, files, ok):
     else:
         with pytest.raises(common.InputError, match="a folder without a model"):
             common.check_model_source(str(tmp_path), "model")
+
+
+@pytest.mark.parametrize("served, ok", [([], True), (["m"], True), (["other"], False)])
+def test_an_endpoint_that_lists_no_models_is_taken_at_its_word_one_that_lists_others_is_refused(served, ok):
+    import asyncio
+
+    from fake_openai import FakeOpenAIServer
+
+    with FakeOpenAIServer(models=served) as server:
+        check = common.ChatClient(server.base_url, "m").check()
+        if ok:
+            asyncio.run(check)
+        else:
+            with pytest.raises(common.EndpointError, match=r"model 'm' is not served at .*it serves \['other'\]"):
+                asyncio.run(check)
