@@ -821,3 +821,29 @@ def test_an_endpoint_models_thought_never_returns_to_its_own_context(tmp_path):
         assert "SECRET" not in json.dumps(body)
         assert [m["content"] for m in body["messages"]].count("It sounds like that hurt.") == turn
     assert [m.get("think") for m in rows[0]["history"] if m["role"] == "assistant"][0] == "SECRET plan"
+
+
+@pytest.mark.parametrize("field, value", [("top_p", 0.0), ("top_p", 1.5), ("livecodebench_start_date", "20240105"),
+                                          ("livecodebench_end_date", "2024-5-1")])
+def test_general_options_out_of_range_or_not_canonical_dates_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        eval_general.GeneralEvalArguments(**{field: value})
+
+
+def test_a_partial_general_result_file_resumes_and_a_foreign_one_is_refused(tmp_path):
+    items = [{"id": "a"}, {"id": "b"}, {"id": "c"}]
+    partial = write_jsonl(tmp_path / "partial.jsonl", [{"id": "a", "verdict": {}}, {"id": "b", "verdict": {}}])
+    assert eval_general.finished_items(partial, items) == {"a", "b"}
+    foreign = write_jsonl(tmp_path / "foreign.jsonl", [{"id": "a", "verdict": {}}, {"id": "zz", "verdict": {}}])
+    with pytest.raises(eval_general.DataError, match="holds items this data does not have"):
+        eval_general.finished_items(foreign, items)
+    unverdicted = write_jsonl(tmp_path / "bad.jsonl", [{"id": "a"}])
+    with pytest.raises(eval_general.DataError, match=r"bad.jsonl:1: a result row needs 'id' and 'verdict'"):
+        eval_general.finished_items(unverdicted, items)
+
+
+@pytest.mark.parametrize("point", [True, "50", None, -1, 101])
+def test_a_result_rows_emotion_must_be_a_number_within_0_and_100(tmp_path, point):
+    path = write_jsonl(tmp_path / "r.jsonl", [{"id": "a", "emo_point": point, "history": []}])
+    with pytest.raises(eval_sentient.ResultFileError, match="emo_point"):
+        eval_sentient.read_results(path)
