@@ -847,3 +847,14 @@ def test_a_result_rows_emotion_must_be_a_number_within_0_and_100(tmp_path, point
     path = write_jsonl(tmp_path / "r.jsonl", [{"id": "a", "emo_point": point, "history": []}])
     with pytest.raises(eval_sentient.ResultFileError, match="emo_point"):
         eval_sentient.read_results(path)
+
+
+def test_the_benchmark_refuses_scenarios_without_an_opening_before_anything_loads(tmp_path):
+    from conftest import profile_row
+
+    profiles = write_jsonl(tmp_path / "bench.jsonl", [profile_row()])  # no first_talk
+    with pytest.raises(simulator.ProfileError, match="first_talk"):
+        eval_sentient.evaluate(eval_sentient.EvalArguments(model="no/such-model", profiles=str(profiles),
+                                                           output=str(tmp_path / "r.jsonl")),
+                               simulator.SimulatorArguments())
+    assert not (tmp_path / "r.jsonl").exists()

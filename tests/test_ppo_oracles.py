@@ -627,3 +627,28 @@ def test_per_turn_rows_keep_earlier_replies_but_not_earlier_thoughts(byte_tokeni
     assert byte_tokenizer.decode([t for t, m in zip(second[0], second[1]) if m]) == "ask more</think>Go on.<|im_end|>"
     assert byte_tokenizer.decode([t for t, m in zip(first[0], first[1]) if m]) == \
         "she is hurt</think>I hear you, Dana hurt you.<|im_end|>"
+
+
+@pytest.mark.parametrize("step, existing, saved", [(0, False, False), (3, False, True), (3, True, False)])
+def test_too_many_lost_dialogues_stop_the_run_saving_the_state_before_the_step_once(tmp_path, monkeypatch, step,
+                                                                                      existing, saved):
+    """Step 0's state is the base model (nothing to save); a later step's is saved unless its folder exists."""
+    calls = []
+    monkeypatch.setattr(train_ppo, "save_checkpoint", lambda folder, *rest: calls.append(folder))
+    if existing:
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    lost = [SimpleNamespace(failure="HTTP 500"), SimpleNamespace(failure=None)]
+    with pytest.raises(SystemExit) as stopped:
+        train_ppo.stop_if_simulators_failed(lost, step, SimpleNamespace(max_failed_share=0.25), tmp_path, None, None,
+                                            None, SimpleNamespace(num_processes=1))
+    assert calls == ([tmp_path / f"checkpoint-{step}"] if saved else [])
+    said = "holds the state before it; continue with --resume" if step else "nothing to save yet"
+    assert str(stopped.value).startswith(f"stopped at step {step} (") and said in str(stopped.value)
+    assert "1 of 2 dialogues lost their simulator" in str(stopped.value)
+
+
+def test_a_share_of_lost_dialogues_within_the_bound_goes_on(tmp_path):
+    lost = [SimpleNamespace(failure="HTTP 500")] + [SimpleNamespace(failure=None)] * 3
+    train_ppo.stop_if_simulators_failed(lost, 3, SimpleNamespace(max_failed_share=0.25), tmp_path, None, None, None,
+                                        SimpleNamespace(num_processes=1))
+    assert not (tmp_path / "checkpoint-3").exists()

@@ -18,6 +18,7 @@ from conftest import OWN_WORDS, profile_row, write_jsonl
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+import common
 import official
 import rule_user
 import simulator
@@ -694,3 +695,12 @@ def test_only_questions_takes_two_of_them(make_profile, reply, only_questions):
         await user.open()
         return user.score(reply)[1]
     assert any(key == "questions" for key, _, _ in asyncio.run(go())) == only_questions
+
+
+@pytest.mark.parametrize("bound, accepted", [(0, False), (1, True), (100, True), (101, False)])
+def test_the_simulator_options_take_a_change_bound_from_1_to_100(bound, accepted):
+    if accepted:
+        assert simulator.SimulatorArguments(change_bound=bound).change_bound == bound
+    else:
+        with pytest.raises(common.ArgumentError, match="change_bound"):
+            simulator.SimulatorArguments(change_bound=bound)

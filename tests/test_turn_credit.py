@@ -226,9 +226,10 @@ def test_turn_credit_options_are_checked_and_off_by_default():
      "gives each of its tokens the gradient of the dialogue's mean advantage"),
     (["--loss_type", "vespo"], "--loss_type vespo: VESPO weighs a whole dialogue by its sequence-level ratio"),
     (["--off_policy_mask_threshold", "0.5"], "--off_policy_mask_threshold: the mask drops an off-policy dialogue"),
+    (["--off_policy_mask_threshold", "0"], "--off_policy_mask_threshold: the mask drops an off-policy dialogue"),
     (["--scale_rewards", "none"], "--scale_rewards none and --turn_credit_scale std: the outcome term would stay in "
      "reward units and the turn term in standard deviations"),
-], ids=["gspo", "vespo", "off_policy_mask", "unscaled_outcome"])
+], ids=["gspo", "vespo", "off_policy_mask", "off_policy_mask_zero", "unscaled_outcome"])
 def test_turn_credit_refuses_the_trl_options_whose_meaning_token_advantages_would_change(flags, reason, capsys):
     with pytest.raises(SystemExit) as stopped:
         train_grpo.parse_arguments(["--turn_credit", *flags])
