@@ -683,6 +683,9 @@ class PlayArguments:
     benchmark: bool = field(default=False, metadata={
         "help": f"benchmark settings: start at {BENCHMARK_START_EMOTION}, {BENCHMARK_MAX_TURNS} turns"})
 
+    def __post_init__(self):
+        common.check_options(self, max_turns=common.AT_LEAST_ONE)
+
 
 def main(argv=None) -> None:
     from transformers import HfArgumentParser

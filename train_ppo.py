@@ -180,7 +180,8 @@ class PPOArguments:
             ppo_epochs=at_least_one, minibatch_size=at_least_one, micro_batch_size=divides_minibatch,
             gamma=fraction, lam=fraction, clip_range=positive,
             value_clip_range=positive, entropy_coef=common.NOT_NEGATIVE, kl_coef=common.NOT_NEGATIVE,
-            max_grad_norm=positive, temperature=positive, save_steps=at_least_one)
+            max_grad_norm=positive, temperature=positive, save_steps=at_least_one, lora_alpha=positive,
+            seed=common.NOT_NEGATIVE, vllm_server_port=(lambda value: 1 <= value <= 65535, "within 1-65535"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
     python tests/mutation_run.py                 # every target; docs/testing.md has the figures
     python tests/mutation_run.py --only ppo_losses,masked_gae --workers 2
     python tests/mutation_run.py --list          # the mutants, without running anything
+    python tests/mutation_run.py --everywhere --sample 240   # a seeded sample over every function of every file
 
 Each mutant is one small change in one target function, of the kinds that make RL code wrong without
 crashing it: a comparison moved by one (`<` -> `<=`), an operator swapped (`+` -> `-`, `*` -> `/`), `max` ->
@@ -18,6 +19,7 @@ import argparse
 import ast
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -176,13 +178,17 @@ class Mutator(ast.NodeTransformer):
         return node
 
 
-def mutants(file: str, target: str) -> list[tuple[int, str, str]]:
-    """(index, description, mutated source) of every mutant of `target` in `file`."""
-    source = (REPO / file).read_text()
+def site_count(file: str, target: str) -> int:
     counter = Mutator(target)
-    counter.visit(ast.parse(source))
+    counter.visit(ast.parse((REPO / file).read_text()))
+    return counter.count
+
+
+def mutants(file: str, target: str, indices=None) -> list[tuple[int, str, str]]:
+    """(index, description, mutated source) of the mutants of `target` in `file`: all, or those at `indices`."""
+    source = (REPO / file).read_text()
     found = []
-    for index in range(counter.count):
+    for index in range(site_count(file, target)) if indices is None else indices:
         mutator = Mutator(target, index)
         tree = ast.fix_missing_locations(mutator.visit(ast.parse(source)))
         found.append((index, mutator.description, ast.unparse(tree)))
@@ -208,13 +214,23 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated target names (function or Class.method)")
     parser.add_argument("--workers", type=int, default=2, help="mutants tested at once, each in its own copy")
     parser.add_argument("--list", action="store_true", help="list the mutants and stop")
+    parser.add_argument("--everywhere", action="store_true",
+                        help="every function of every file with unit tests, not only TARGETS (* as the target)")
+    parser.add_argument("--sample", type=int, default=0, help="test this many mutants drawn at random (0: all)")
+    parser.add_argument("--seed", type=int, default=0, help="the sample's seed")
     parser.add_argument("--out", default="runs/mutation.json", help="results (one row per mutant)")
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
-    targets = [(file, target, [*UNIT, *TESTS_OF_FILE[file]]) for file, target in TARGETS
-               if not only or target in only]
+    chosen = [(file, "*") for file in TESTS_OF_FILE] if args.everywhere else TARGETS
+    targets = [(file, target, [*UNIT, *TESTS_OF_FILE[file]]) for file, target in chosen
+               if not only or target in only or file in only]
+    sites = [(file, target, tests, index) for file, target, tests in targets
+             for index in range(site_count(file, target))]
+    if args.sample:
+        sites = sorted(random.Random(args.seed).sample(sites, min(args.sample, len(sites))), key=sites.index)
     work = [(file, target, tests, index, description, source)
-            for file, target, tests in targets for index, description, source in mutants(file, target)]
+            for file, target, tests in targets
+            for index, description, source in mutants(file, target, [i for f, t, _, i in sites if (f, t) == (file, target)])]
     if args.list:
         for file, target, _, index, description, _ in work:
             print(f"{file}:{target} #{index} {description}")
@@ -231,12 +247,13 @@ def main() -> None:
             shutil.copy2(REPO / name, copy / name)
         copies.append(copy)
     baseline = {}
+    targets = [(file, target, tests) for file, target, tests in targets if any(w[:2] == (file, target) for w in work)]
     for file, target, tests in targets:  # the unmutated code must pass, and sets each target's time limit
         passed, seconds = run_tests(copies[0], tests, timeout=900)
         if not passed:
             raise SystemExit(f"the tests of {target} fail on the unmutated code: {' '.join(tests)}")
-        baseline[target] = seconds
-        print(f"baseline {target}: {seconds:.0f} s", flush=True)
+        baseline[file, target] = seconds
+        print(f"baseline {file}:{target}: {seconds:.0f} s", flush=True)
 
     free = list(copies)
     results = []
@@ -246,7 +263,7 @@ def main() -> None:
         copy = free.pop()
         try:
             (copy / file).write_text(source)
-            passed, seconds = run_tests(copy, tests, timeout=3 * baseline[target] + 30)
+            passed, seconds = run_tests(copy, tests, timeout=3 * baseline[file, target] + 30)
         finally:
             shutil.copy2(REPO / file, copy / file)
             free.append(copy)

@@ -166,3 +166,73 @@ def test_the_rule_backend_refuses_chinese_dialogues_naming_why(make_profile):
     with pytest.raises(simulator.SimulatorError, match=f"profile {chinese.id} is Chinese"):
         simulator.check_backend([english, chinese], rule)
     simulator.check_backend([chinese], simulator.SimulatorArguments(backend="llm", simulator_model="m"))
+
+
+# --------------------------------------------------------------------------------------------
+# Every numeric option has a rule, and the rule does what its message says
+# --------------------------------------------------------------------------------------------
+
+def option_classes():
+    import eval_general
+    import eval_sentient
+    import rollout
+    import train_grpo
+    import train_ppo
+
+    return [(rollout.DialogueArguments, {}), (simulator.SimulatorArguments, {}), (eval_sentient.EvalArguments, {}),
+            (eval_general.GeneralEvalArguments, {}), (train_ppo.PPOArguments, {}),
+            (train_grpo.TurnCreditArguments, {}), (simulator.PlayArguments, {"profile": "en-train-01"})]
+
+
+def rules_of(options_class, required, monkeypatch) -> dict:
+    """The rules the class's __post_init__ hands to check_options, caught on their way."""
+    rules, check = {}, common.check_options
+    monkeypatch.setattr(common, "check_options", lambda options, **given: rules.update(given) or check(options, **given))
+    options_class(**required)
+    return rules
+
+
+def bounds_said(what: str):
+    """(lowest accepted or None, whether it is accepted, highest accepted or None) read from the message alone."""
+    import re
+
+    if match := re.fullmatch(r"above (\d+)( and at most (\d+))?", what):
+        return float(match[1]), False, float(match[3]) if match[3] else None
+    if match := re.fullmatch(r"at least (\d+)( \(.*\))?", what):
+        return float(match[1]), True, None
+    if what == "0 or more":
+        return 0.0, True, None
+    if match := re.fullmatch(r"within (\d+)-(\d+)", what):
+        return float(match[1]), True, float(match[2])
+    return None
+
+
+# Rules whose message is not a plain range (lists, dates, paths, a divisor), each tested where it is defined.
+NOT_A_RANGE = {"tasks", "livecodebench_release", "livecodebench_start_date", "livecodebench_end_date", "compare",
+               "micro_batch_size"}
+
+
+@pytest.mark.parametrize("index", range(7))
+def test_every_numeric_option_has_a_rule_that_accepts_and_refuses_exactly_what_its_message_says(index, monkeypatch):
+    """A rule's message (what a user reads) against its test (what the code does), at each bound and just past
+    it: an integer option a step of 1 away, a float one a step of 1e-9."""
+    import dataclasses
+
+    options_class, required = option_classes()[index]
+    rules = rules_of(options_class, required, monkeypatch)
+    numeric = {item.name: item.type for item in dataclasses.fields(options_class)
+               if item.type in (int, float, int | None, float | None)}
+    assert numeric and set(numeric) <= set(rules), f"{options_class.__name__}: no rule for {set(numeric) - set(rules)}"
+    for name, (test, what) in rules.items():
+        if name in NOT_A_RANGE:
+            continue
+        said = bounds_said(what)
+        assert said is not None, f"{name}: a message no test reads: {what!r}"
+        low, low_accepted, high = said
+        step = 1 if numeric[name] in (int, int | None) else 1e-9
+        assert test(low) is low_accepted and not test(low - step), (name, what)
+        assert test(low + step), (name, what)
+        if high is None:
+            assert test(10 ** 6), (name, what)
+        else:
+            assert test(high) and not test(high + step), (name, what)
