@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import REPO
@@ -202,6 +203,26 @@ def test_a_resumed_general_run_samples_what_the_whole_run_did(tiny_model_dir, vl
     run_general(tiny_model_dir, tmp_path / "resumed", **options)
     assert rows(tmp_path / "resumed" / "humaneval.jsonl") == whole
     assert {top_p for call in vllm_log("LLM_generate") for top_p in call["top_p"]} == {0.8}
+    assert {t for call in vllm_log("LLM_generate") for t in call["temperature"]} == {0.7}
+
+
+def test_the_engine_generator_gives_each_context_its_own_seed_and_the_options_their_places(tiny_model_dir,
+                                                                                          vllm_log):
+    """Seeds drawn from torch's RNG over vLLM's whole seed range (31 bits), one per context."""
+    import torch
+
+    import generation
+
+    options = SimpleNamespace(use_vllm=True, temperature=0.7, top_p=0.8, seed=5)
+    generate = generation.load_generator(options, str(tiny_model_dir), None)
+    torch.manual_seed(0)
+    completions, logprobs = generate([[1, 2, 3]] * 40, [4] * 39 + [2])
+    assert len(completions) == 40 and logprobs is None and 1 <= len(completions[-1]) <= 2
+    [init] = vllm_log("LLM_init")
+    [call] = vllm_log("LLM_generate")
+    assert init["kwargs"] == {"seed": "5"} and set(call["temperature"]) == {0.7} and set(call["top_p"]) == {0.8}
+    assert len(set(call["seeds"])) == 40 and all(0 <= seed < 2**31 - 1 for seed in call["seeds"])
+    assert max(call["seeds"]) > 2**30  # from the whole range
 
 
 def test_the_sentient_command_line_passes_top_p_and_each_context_gets_its_own_completion(tiny_model_dir, tmp_path):

@@ -80,3 +80,22 @@ def test_the_ppo_rollout_ends_a_turn_at_every_end_token_of_the_generation_config
     generate = train_ppo.policy_generator(None, policy, tokenizer, train_ppo.PPOArguments(), rollout.DialogueArguments())
     assert sorted(generate.generation_config.eos_token_id) == [SECOND_END, 2]
     assert first_turn(generate, tokenizer) == [SECOND_END]
+
+
+@pytest.mark.parametrize("world_size, zero3, fsdp, lockstep", [
+    (1, True, False, False), (2, True, False, True), (2, False, True, True), (2, False, False, False),
+    (3, True, False, True), (None, True, True, False),  # None: no process group
+])
+def test_generation_steps_in_lockstep_only_with_sharded_weights_over_several_processes(monkeypatch, world_size,
+                                                                                       zero3, fsdp, lockstep):
+    import torch
+    import transformers.integrations.deepspeed as deepspeed
+    import transformers.integrations.fsdp as fsdp_module
+
+    import generation
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: world_size is not None)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: world_size)
+    monkeypatch.setattr(deepspeed, "is_deepspeed_zero3_enabled", lambda: zero3)
+    monkeypatch.setattr(fsdp_module, "is_fsdp_managed_module", lambda model: fsdp)
+    assert generation.generates_in_lockstep(object()) is lockstep

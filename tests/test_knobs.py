@@ -284,3 +284,25 @@ def test_every_knob_has_a_case():
 @pytest.mark.parametrize("knob", sorted(CASES))
 def test_a_knob_set_on_the_command_line_reaches_what_it_controls(knob, parse, tokenizer, tmp_path):
     CASES[knob](parse, tokenizer, tmp_path)
+
+
+def test_ppos_vllm_server_defaults_are_trls_so_one_trl_vllm_serve_serves_either_trainer():
+    import dataclasses
+
+    import trl.scripts.vllm_serve
+    from trl import GRPOConfig
+
+    import train_ppo
+
+    trl_defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    serve = {f.name: f.default for f in dataclasses.fields(trl.scripts.vllm_serve.ScriptArguments)}
+    ppo = train_ppo.PPOArguments()
+    assert (ppo.vllm_server_host, ppo.vllm_server_port) == (trl_defaults["vllm_server_host"],
+                                                            trl_defaults["vllm_server_port"]) == (serve["host"],
+                                                                                                  serve["port"])
+
+
+def test_by_default_the_reward_is_the_papers_final_emotion_over_100_with_no_format_penalty():
+    options = rollout.DialogueArguments()
+    assert rollout.reward(63, format_violations=2, turns=4, format_penalty=options.format_penalty) == 0.63
+    assert rollout.DialogueArguments(think=True).format_penalty == 0

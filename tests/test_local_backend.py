@@ -59,3 +59,15 @@ def test_make_chat_explains_missing_options(monkeypatch):
     with pytest.raises(SimulatorError, match="--base_url"):
         simulator.make_chat(simulator.SimulatorArguments(backend="llm", simulator_model="m"))
     assert simulator.make_chat(simulator.SimulatorArguments()) is None
+
+
+@pytest.mark.parametrize("temperature, sampling", [(0.0, {"do_sample": False}),
+                                                   (0.7, {"do_sample": True, "temperature": 0.7})])
+def test_the_local_simulator_samples_at_its_temperature_and_is_greedy_at_0(tiny_model_dir, temperature, sampling):
+    chat = LocalChat(str(tiny_model_dir), temperature=temperature, max_new_tokens=5)
+    given, generate = [], chat.model.generate
+    chat.model.generate = lambda **kwargs: given.append(kwargs) or generate(**kwargs)
+    asyncio.run(chat.complete([{"role": "user", "content": "Hello?"}]))
+    [kwargs] = given
+    assert {key: kwargs[key] for key in ("do_sample", "temperature", "max_new_tokens") if key in kwargs} == {
+        **sampling, "max_new_tokens": 5}

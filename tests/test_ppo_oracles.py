@@ -652,3 +652,16 @@ def test_a_share_of_lost_dialogues_within_the_bound_goes_on(tmp_path):
     train_ppo.stop_if_simulators_failed(lost, 3, SimpleNamespace(max_failed_share=0.25), tmp_path, None, None, None,
                                         SimpleNamespace(num_processes=1))
     assert not (tmp_path / "checkpoint-3").exists()
+
+
+def test_an_update_descends_both_losses_each_network_its_own(accelerator):
+    """Policy and critic share no weights, so a small step down the gradient of policy loss + value loss lowers
+    each: a sign lost anywhere on the way to backward (the critic climbing its loss) shows here."""
+    networks, batch = tiny_networks(), batch_of()
+    args = train_ppo.PPOArguments(**{**LOSS_ARGS, "entropy_coef": 0.0}, temperature=0.7, max_grad_norm=1e9)
+    batch["old_logprobs"] = tensor(scored_by_hand(networks, batch, 0.7)[0]) * batch["action_mask"]  # no clipping
+    before = stats_by_hand(networks, batch, args)
+    train_ppo.ppo_update(accelerator, networks, torch.optim.SGD(networks.parameters(), lr=1e-3), batch, args)
+    after = stats_by_hand(networks, batch, args)
+    assert after["ppo/policy_loss"] < before["ppo/policy_loss"] - 1e-3
+    assert after["ppo/value_loss"] < before["ppo/value_loss"] - 1e-3

@@ -704,3 +704,11 @@ def test_the_simulator_options_take_a_change_bound_from_1_to_100(bound, accepted
     else:
         with pytest.raises(common.ArgumentError, match="change_bound"):
             simulator.SimulatorArguments(change_bound=bound)
+
+
+def test_the_dialogue_quoted_to_the_simulator_keeps_every_script_as_written():
+    """The simulator reads the text a user wrote, not JSON escapes of it (a Chinese dialogue stays Chinese)."""
+    quoted = simulator.quoted_dialogue([{"role": "user", "content": "我妹妹没来我的婚礼。"},
+                                        {"role": "assistant", "content": "That \"hurt\", café."}])
+    assert quoted.splitlines() == ['{"speaker": "me", "text": "我妹妹没来我的婚礼。"}',
+                                   '{"speaker": "them", "text": "That \\"hurt\\", café."}']

@@ -152,3 +152,35 @@ def test_impossible_option_values_are_refused_before_any_model_loads(tmp_path):
                               timeout=120)
     assert finished.returncode == 2 and "Traceback" not in finished.stderr
     assert finished.stderr.strip().splitlines()[-1].endswith("--max_turns 0: must be at least 1")
+
+
+def test_a_resume_from_a_folder_without_trainer_state_is_refused_before_the_model_loads(tiny_model_dir, tmp_path,
+                                                                                       monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail_if_called)
+    (tmp_path / "run" / "checkpoint-2").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="checkpoint-2: no trainer_state.json there; give a checkpoint folder"):
+        train_grpo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "run"),
+                         "--resume_from_checkpoint", str(tmp_path / "run" / "checkpoint-2")])
+
+
+def fail_if_called(*args, **kwargs):
+    raise AssertionError("loaded")
+
+
+def test_a_resume_drops_the_rows_of_the_steps_it_will_play_again_before_the_model_loads(tiny_model_dir, tmp_path,
+                                                                                       monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail_if_called)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    for name in ("transcripts.jsonl", "transcripts.rank1.jsonl"):
+        common.append_json_lines(tmp_path / "run" / name, [{"step": step} for step in (0, 1, 2, 3)])
+    with pytest.raises(AssertionError, match="loaded"):
+        train_grpo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "run"),
+                         "--resume_from_checkpoint", str(checkpoint)])
+    for name in ("transcripts.jsonl", "transcripts.rank1.jsonl"):
+        assert [json.loads(line)["step"] for line in (tmp_path / "run" / name).read_text().splitlines()] == [0, 1]

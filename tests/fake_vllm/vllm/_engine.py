@@ -94,7 +94,8 @@ class LLM:
             lp = [{t: Logprob(l)} for t, l in zip(toks, lps)] if sp.logprobs is not None else None
             outs.append(RequestOutput(str(i), None, list(ids), [CompletionOutput(0, "", toks, None, lp, finish)]))
         log("LLM_generate", n_prompts=len(prompts), max_tokens=[sp.max_tokens for sp in params][:1],
-            stop=params[0].stop if params else None, seeds=[sp.seed for sp in params], top_p=[sp.top_p for sp in params])
+            stop=params[0].stop if params else None, seeds=[sp.seed for sp in params], top_p=[sp.top_p for sp in params],
+            temperature=[sp.temperature for sp in params])
         return outs
 
     def reset_prefix_cache(self):
