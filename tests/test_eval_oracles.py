@@ -858,3 +858,19 @@ def test_the_benchmark_refuses_scenarios_without_an_opening_before_anything_load
                                                            output=str(tmp_path / "r.jsonl")),
                                simulator.SimulatorArguments())
     assert not (tmp_path / "r.jsonl").exists()
+
+
+@pytest.mark.parametrize("field", ["main_cha", "character"])  # ours, the official result rows'
+def test_a_result_rows_personality_and_intention_are_read_with_the_spaces_around_them_dropped(field):
+    [(personality, [text, *_])] = list(simulator.PERSONALITIES.items())[:1]
+    [(intention, [task, *_])] = list(simulator.INTENTIONS.items())[:1]
+    assert eval_sentient.personality_of({field: f"  {text}\n"}) == personality
+    assert eval_sentient.intention_of({"task": f" {task} "}) == intention
+    assert eval_sentient.personality_of({}) == eval_sentient.intention_of({}) == "unknown"
+
+
+def test_result_rows_are_appended_into_a_folder_made_with_the_first_of_them(tmp_path):
+    path = tmp_path / "new" / "deeper" / "results.jsonl"
+    eval_sentient.append_rows(path, [{"id": "a"}])
+    eval_sentient.append_rows(path, [{"id": "b"}])
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["a", "b"]

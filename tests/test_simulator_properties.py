@@ -712,3 +712,27 @@ def test_the_dialogue_quoted_to_the_simulator_keeps_every_script_as_written():
                                         {"role": "assistant", "content": "That \"hurt\", café."}])
     assert quoted.splitlines() == ['{"speaker": "me", "text": "我妹妹没来我的婚礼。"}',
                                    '{"speaker": "them", "text": "That \\"hurt\\", café."}']
+
+
+def defect_keys(make_profile, reply: str) -> set[str]:
+    user = rule_user.RuleSimulator(make_profile("venting"))
+    return {key for key, _, _ in user._defects(rule_user.normalise(reply), [], set())}
+
+
+@pytest.mark.parametrize("reply, fillers", [
+    ("Um, I am sorry about what happened with your sister.", False),  # one filler is how people talk
+    ("Um, I am sorry about what happened, you know, with your sister.", True),  # two: THRESHOLDS["fillers"]
+])
+def test_fillers_cost_from_the_thresholds_count_on(make_profile, reply, fillers):
+    assert ("fillers" in defect_keys(make_profile, reply)) == fillers
+
+
+def test_a_reply_repeats_itself_from_12_trigrams_on_when_fewer_than_the_thresholds_share_are_distinct(
+        make_profile, monkeypatch):
+    """One sentence going round "Dana left the room": 13 words (11 trigrams) are too few to judge; 14 words
+    make 12 trigrams, 4 of them distinct (a share of 1/3): a repeat below a threshold above 1/3, not at it."""
+    cycle = ("Dana left the room " * 4).split()
+    assert "self_repeat" not in defect_keys(make_profile, " ".join(cycle[:13]))
+    assert "self_repeat" in defect_keys(make_profile, " ".join(cycle[:14]))
+    monkeypatch.setitem(rule_user.THRESHOLDS, "distinct_trigrams", 1 / 3)
+    assert "self_repeat" not in defect_keys(make_profile, " ".join(cycle[:14]))
