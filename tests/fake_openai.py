@@ -15,7 +15,7 @@ class FakeOpenAIServer:
     """Answers /v1/chat/completions from a script. Each entry is a message text, or a fault:
     {"status": 500} an error response (with "retry_after": seconds, a Retry-After header),
     {"hang": seconds} no answer for that long (then "text", if given), {"truncated": True} a body
-    cut short of its Content-Length. Every request body is kept in `requests`. Answers report token
+    cut short of its Content-Length, {"text": ..., "usage": False} an answer without usage (some servers). Every request body is kept in `requests`. Answers report token
 usage as a server does, counting whitespace-separated words (`usage_of`)."""
 
     def __init__(self, script=(), models=("sim-model",), default=None, respond=None):
@@ -70,7 +70,8 @@ usage as a server does, counting whitespace-separated words (`usage_of`)."""
                     self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
                                      "choices": [{"index": 0, "finish_reason": "stop",
                                                   "message": {"role": "assistant", "content": text}}],
-                                     "usage": usage_of(body, text)},
+                                     **({} if isinstance(entry, dict) and entry.get("usage") is False
+                                        else {"usage": usage_of(body, text)})},
                                truncated=isinstance(entry, dict) and entry.get("truncated", False))
 
         class Server(ThreadingHTTPServer):

@@ -330,3 +330,16 @@ def test_an_endpoint_that_lists_no_models_is_taken_at_its_word_one_that_lists_ot
         else:
             with pytest.raises(common.EndpointError, match=r"model 'm' is not served at .*it serves \['other'\]"):
                 asyncio.run(check)
+
+
+def test_an_endpoint_answer_without_usage_is_taken_and_counts_no_tokens():
+    import asyncio
+
+    from fake_openai import FakeOpenAIServer
+
+    with FakeOpenAIServer([{"text": "Fine.", "usage": False}, "Good."]) as server:
+        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0, timeout=5)
+        answers = [asyncio.run(chat.complete([{"role": "user", "content": "How are you?"}])) for _ in range(2)]
+    assert answers == ["Fine.", "Good."]
+    assert (chat.totals.calls, chat.totals.failed, chat.totals.completion_tokens) == (2, 0, 1)
+    assert chat.totals.prompt_tokens == 3  # the second answer's: "How are you?"

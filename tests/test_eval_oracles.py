@@ -874,3 +874,20 @@ def test_result_rows_are_appended_into_a_folder_made_with_the_first_of_them(tmp_
     eval_sentient.append_rows(path, [{"id": "a"}])
     eval_sentient.append_rows(path, [{"id": "b"}])
     assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["a", "b"]
+
+
+@pytest.mark.parametrize("base, trained, paired", [
+    ("a/humaneval.jsonl", "b/humaneval.jsonl", True),
+    ("a/humaneval.jsonl", "b/math500.jsonl", False),  # two tasks
+    ("a/results.jsonl", "b/results.jsonl", False),  # one name, but no task's
+])
+def test_two_result_files_are_compared_only_when_both_are_of_one_task(tmp_path, base, trained, paired):
+    for name in (base, trained):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("")
+    if paired:
+        assert eval_general.result_files(tmp_path / base, tmp_path / trained) == {
+            "humaneval": (tmp_path / base, tmp_path / trained)}
+    else:
+        with pytest.raises(eval_general.DataError, match="compare result files of the same task"):
+            eval_general.result_files(tmp_path / base, tmp_path / trained)
