@@ -891,3 +891,12 @@ def test_two_result_files_are_compared_only_when_both_are_of_one_task(tmp_path, 
     else:
         with pytest.raises(eval_general.DataError, match="compare result files of the same task"):
             eval_general.result_files(tmp_path / base, tmp_path / trained)
+
+
+def test_a_benchmark_killed_mid_row_resumes_from_its_whole_rows(tmp_path, capsys):
+    """The scenarios already played are those of whole rows; the one whose row was cut short is played again."""
+    path = tmp_path / "results.jsonl"
+    whole = {"id": "a", "emo_point": 40, "history": []}
+    path.write_text(json.dumps(whole) + "\n" + '{"id": "b", "emo_po')
+    assert eval_sentient.finished_ids(path) == {"a"}
+    assert eval_sentient.finished_ids(tmp_path / "none.jsonl") == set()
