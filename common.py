@@ -211,23 +211,49 @@ def parse_arguments(parser, argv: list[str], hint=lambda message: "") -> tuple:
         parser.error(str(error).rstrip(".") + hint(str(error)))
 
 
+MIN_FREE_BYTES = 64 * 2**20  # less free space than this on an output's filesystem is refused before any work
+
+
 def check_output_folder(path, option: str, given=None) -> None:
-    """Refuse an output folder that cannot be created or written, without creating it (a run that fails
-    later would leave it behind empty); `given` is the path as the option named it, if not the folder."""
+    """Refuse an output folder that cannot be created or written, or whose filesystem is (nearly) full,
+    without creating it (a run that fails later would leave it behind empty); `given` is the path as the
+    option named it, if not the folder."""
+    import shutil
+
     path = Path(path)
     existing = next(folder for folder in [path, *path.parents] if folder.exists())
     if not existing.is_dir():
         raise InputError(f"--{option} {given or path}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise InputError(f"--{option} {given or path}: {existing} is not writable")
+    free = shutil.disk_usage(existing).free
+    if free < MIN_FREE_BYTES:
+        raise InputError(f"--{option} {given or path}: only {free / 2**20:.0f} MB free on its filesystem")
 
 
-def check_output_file(path, option: str) -> None:
-    """Refuse an output file path that is a folder or cannot be created (its folder is made when writing)."""
+def check_output_file(path, option: str, made_here=None, inputs=()) -> None:
+    """Refuse, before any work, an output file path that is a folder or not a regular file (/dev/full), one
+    of the `inputs`, an existing file that `made_here(path)` does not recognise as this script's own (it
+    would be replaced), or one that cannot be created (its folder is made when writing)."""
     path = Path(path)
     if path.is_dir():
         raise InputError(f"--{option} {path}: a folder; give the path of the file to write")
+    for given in inputs:
+        if Path(given).is_file() and path.exists() and path.samefile(given):
+            raise InputError(f"--{option} {path}: that is an input of this run; give another path")
+    if path.exists() and not path.is_file():
+        raise InputError(f"--{option} {path}: not a regular file; give the path of a file to write")
+    if path.exists() and path.stat().st_size and not (made_here and made_here(path)):
+        raise InputError(f"--{option} {path}: a file this script did not write; give another path, or delete it")
     check_output_folder(path.parent, option, given=path)
+
+
+def starts_with(marker: bytes, size: int = 4096):
+    """made_here for check_output_file: whether a file's first `size` bytes hold `marker`."""
+    def made_here(path) -> bool:
+        with open(path, "rb") as file:
+            return marker in file.read(size)
+    return made_here
 
 
 def check_shared_folder(folder, accelerator, option: str = "output_dir") -> None:

@@ -27,6 +27,8 @@ import common
 
 EDGE_SHARE = 0.2  # compare the first and the last 20% of steps
 SMOOTHING = 5  # steps in the moving average drawn over the per-step means
+# In every plot's PNG text: an existing --out is replaced only when this script wrote it.
+SOFTWARE = "RLVER plot_training.py"
 DEFAULT_PLOT_NAME = "learning_curve.png"  # written in the first run's folder when --out is not given
 
 
@@ -130,7 +132,7 @@ def plot(curves: dict[str, tuple], title: str, out: Path, ylabel: str = METRICS[
     axes.legend()
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=120)
+    figure.savefig(out, dpi=120, metadata={"Software": SOFTWARE})
 
 
 def main(argv=None) -> None:
@@ -155,7 +157,8 @@ def main(argv=None) -> None:
     try:
         # Every run is read, and the plot path checked, before the table is printed or matplotlib loads.
         all_means = {run_dir: step_means(run_dir, args.metric) for run_dir in runs}
-        common.check_output_file(out, "out")
+        inputs = [path for run_dir in runs for path in run_dir.glob("transcripts*.jsonl")]
+        common.check_output_file(out, "out", common.starts_with(SOFTWARE.encode(), 8192), inputs)
     except common.InputError as error:
         sys.exit(f"error: {error}")
     decimals = METRICS[args.metric][3]

@@ -284,8 +284,12 @@ applyFilters();
 """
 
 
+# In every page's head: an existing --out is replaced only when this script wrote it.
+GENERATOR = '<meta name="generator" content="RLVER report.py">'
+
+
 def page(title: str, sections: list[str]) -> str:
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">{GENERATOR}<title>{html.escape(title)}</title>'
             f'<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{"".join(sections)}'
             f'<script>{SCRIPT}</script></body></html>')
 
@@ -348,16 +352,19 @@ def main(argv=None) -> None:
     if (args.run is None) == (args.compare is None):
         parser.error("give one run, or --compare A B")
     try:
-        if args.out is not None:  # checked before the runs are read; the folder is made when writing
-            common.check_output_file(args.out, "out")
+        inputs = [path for given in args.compare or [args.run]
+                  for path in (given.glob("transcripts*.jsonl") if given.is_dir() else [given])]
         if args.compare:
-            text = compare_report(*args.compare)
             second = args.compare[1]
             default = (second if second.is_dir() else second.parent) / "compare.html"
         else:
-            text = run_report(args.run)
             default = args.run / "report.html" if args.run.is_dir() else args.run.with_suffix(".html")
         out = args.out or default
+        # Checked before the runs are read; the folder is made when writing.
+        common.check_output_file(out, "out", common.starts_with(GENERATOR.encode()), inputs)
+        if args.screenshot:
+            common.check_output_file(args.screenshot, "screenshot", inputs=inputs)  # a PNG names no maker
+        text = compare_report(*args.compare) if args.compare else run_report(args.run)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text, encoding="utf-8")
         print(f"wrote {out} ({len(text) / 1e6:.1f} MB)")

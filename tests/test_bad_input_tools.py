@@ -191,3 +191,54 @@ def test_every_script_prints_its_help_and_exits_0():
         if process.returncode != 0 or "Traceback" in err or "usage:" not in out:
             failed[script] = f"exit {process.returncode}: {(err.strip().splitlines() or [out[:200]])[-1]}"
     assert failed == {}
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs: never written over a file the script did not make, or over an input
+# --------------------------------------------------------------------------------------------
+
+def test_report_refuses_to_write_its_page_over_its_own_input(tmp_path):
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps({"id": "a", "emo_point": 50, "history": []}) + "\n")
+    before = results.read_bytes()
+    message = exit_message(report.main, [str(results), "--out", str(results)])
+    assert "an input of this run" in message and results.read_bytes() == before
+
+
+@pytest.mark.parametrize("name", ["README.md", "report.html"])  # a page someone else wrote, under our default name
+def test_report_refuses_to_replace_a_file_it_did_not_write_and_replaces_its_own(tmp_path, name):
+    run = steps_run(tmp_path / "run")
+    theirs = run / name
+    theirs.write_text("<html>my notes</html>")
+    out = ["--out", str(theirs)] if name != "report.html" else []
+    assert "a file this script did not write" in exit_message(report.main, [str(run), *out])
+    assert theirs.read_text() == "<html>my notes</html>"
+    theirs.unlink()
+    report.main([str(run), *out])
+    report.main([str(run), *out])  # its own page, replaced
+    assert report.GENERATOR in theirs.read_text()
+
+
+def test_plot_training_refuses_a_device_a_foreign_file_and_its_input_and_replaces_its_own_plot(tmp_path):
+    run = steps_run(tmp_path / "run")
+    assert "not a regular file" in exit_message(plot_training.main, [str(run), "--out", "/dev/full"])
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(b"\x89PNG\r\n\x1a\n someone's picture")
+    assert "did not write" in exit_message(plot_training.main, [str(run), "--out", str(photo)])
+    transcripts = run / "transcripts.jsonl"
+    assert "an input of this run" in exit_message(plot_training.main, [str(run), "--out", str(transcripts)])
+    plot_training.main([str(run), "--out", str(tmp_path / "curve.png")])
+    plot_training.main([str(run), "--out", str(tmp_path / "curve.png")])  # its own plot, replaced
+    assert photo.read_bytes().endswith(b"someone's picture") and transcripts.read_text().count("\n") == 6
+
+
+def test_an_output_on_a_full_filesystem_is_refused_before_any_work(tmp_path, monkeypatch):
+    import shutil
+
+    import common
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 2**20, 2**20))
+    run = steps_run(tmp_path / "run")
+    assert "only 1 MB free" in exit_message(report.main, [str(run)])
+    with pytest.raises(common.InputError, match="only 1 MB free"):
+        common.check_output_folder(tmp_path / "new", "output_dir")
