@@ -248,6 +248,91 @@ def check_output_file(path, option: str, made_here=None, inputs=()) -> None:
     check_output_folder(path.parent, option, given=path)
 
 
+def model_record(model: str, base_url: str | None = None) -> dict:
+    """Which model made a result: an endpoint's model name and URL; a hub id or the packaged model by its
+    name; a local folder by its path and a fingerprint of its files (each one's name, size and first and
+    last MiB: retrained weights change it, and it reads MBs, not a 15 GB model), an adapter also by the
+    base model its config names."""
+    import hashlib
+
+    if base_url:
+        return {"model": model, "model_base_url": base_url}
+    folder = Path(model)
+    if not folder.is_dir():
+        return {"model": model}
+    digest = hashlib.sha256()
+    for path in sorted(path for path in folder.rglob("*") if path.is_file()):
+        size = path.stat().st_size
+        digest.update(f"{path.relative_to(folder)}\0{size}\0".encode())
+        with path.open("rb") as file:
+            digest.update(file.read(2**20))
+            file.seek(max(2**20, size - 2**20))
+            digest.update(file.read())
+    record = {"model": str(folder.resolve()), "model_fingerprint": digest.hexdigest()[:16]}
+    if (folder / "adapter_config.json").is_file():
+        record["base_model"] = json.loads(read_text(folder / "adapter_config.json", "adapter config")).get(
+            "base_model_name_or_path")
+    return record
+
+
+def check_made_by(path, rows: list[dict], made_by: dict) -> None:
+    """Refuse to add rows to a result file whose rows another model or other settings made (each row's
+    "made_by"), naming what differs: a file mixing two models would be scored as one."""
+    for number, row in enumerate(rows, 1):
+        theirs = row.get("made_by")
+        if theirs is None:
+            raise InputError(f"{path}: row {number} does not say which model and settings made it; choose "
+                             "another output to start afresh")
+        differ = sorted(key for key in theirs.keys() | made_by.keys() if theirs.get(key) != made_by.get(key))
+        if differ:
+            was = ", ".join(f"{key}={theirs.get(key)!r}" for key in differ)
+            now = ", ".join(f"{key}={made_by.get(key)!r}" for key in differ)
+            raise InputError(f"{path}: its rows were made with {was}; this run has {now}. Resume with the "
+                             "same model and settings, or choose another output")
+
+
+RUN_MARKER = "rlver-run.json"  # written into a trainer's output folder when its run starts: whose run it is
+
+
+def check_run_folder(folder, script: str, model: str, resuming: bool, resume_flag: str) -> None:
+    """Refuse an output folder that holds anything but a run of `script` (its RUN_MARKER), or a run of it
+    when not resuming, or, resuming, a run of another model: a trainer writes weights, a tokenizer, a model
+    card and checkpoints there, over whatever files of the same names it finds. Every rank calls it before
+    any rank writes (the folder-sharing check's own marker is not a file of anyone's)."""
+    folder = Path(folder)
+    found = sorted(path.name for path in folder.iterdir()
+                   if not path.name.startswith(".shared-check-")) if folder.is_dir() else []
+    if not found:
+        return
+    marker = folder / RUN_MARKER
+    if not marker.is_file():
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise InputError(f"--output_dir {folder}: holds files that no {script} run wrote ({shown}); "
+                         "choose a new or empty folder")
+    try:
+        made = json.loads(read_text(marker, "run marker"))
+        owner, owner_model = made["script"], made["model"]
+    except (ValueError, KeyError, TypeError):
+        raise InputError(f"{marker}: not a run marker ({{\"script\": ..., \"model\": ...}}); choose a new "
+                         "--output_dir") from None
+    if owner != script:
+        raise InputError(f"--output_dir {folder}: holds a {owner} run; choose another folder for {script}")
+    if not resuming:
+        raise InputError(f"--output_dir {folder}: already holds a run; choose another --output_dir, delete it, or "
+                         f"pass {resume_flag} to continue it")
+    if owner_model != model:
+        raise InputError(f"{resume_flag}: {folder} holds a run of {owner_model}, not of {model}; resume it with "
+                         "the same model, or choose another --output_dir")
+
+
+def mark_run_folder(folder, script: str, model: str) -> None:
+    """RUN_MARKER, on the main process, once every rank has passed check_run_folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / RUN_MARKER).is_file():
+        (folder / RUN_MARKER).write_text(json.dumps({"script": script, "model": model}) + "\n")
+
+
 def starts_with(marker: bytes, size: int = 4096):
     """made_here for check_output_file: whether a file's first `size` bytes hold `marker`."""
     def made_here(path) -> bool:

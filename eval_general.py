@@ -566,13 +566,24 @@ def with_think_prompt(messages: list[dict], think: bool) -> list[dict]:
     return [{"role": "system", "content": instruction}] + messages
 
 
-def finished_items(path: Path, items: list[dict]) -> set:
-    """Ids of the items already in a task's result file (read before the model loads: a bad file fails now)."""
-    done = {row["id"] for row in read_result_rows(path, skip_cut_last_line=True)} if path.is_file() else set()
+def run_record(task: str, args: GeneralEvalArguments) -> dict:
+    """What every row of a task records as its "made_by": the tested model, and the settings that shape a score."""
+    max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else TASK_MAX_NEW_TOKENS[task]
+    return {**common.model_record(args.model, args.model_base_url), "think": args.think,
+            "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "max_new_tokens": max_new_tokens,
+            **({"code_memory_mb": args.code_memory_mb} if task in CODE_TASKS else {})}
+
+
+def finished_items(path: Path, items: list[dict], made_by: dict) -> set:
+    """Ids of the items already in a task's result file (read before the model loads: a bad file fails now),
+    refused when another model or other settings made them."""
+    rows = list(read_result_rows(path, skip_cut_last_line=True)) if path.is_file() else []
+    done = {row["id"] for row in rows}
     unknown = done - {item["id"] for item in items}
     if unknown:
         raise DataError(f"{path} holds items this data does not have (e.g. {sorted(unknown)[0]}); "
                         "choose another --output_dir")
+    common.check_made_by(path, rows, made_by)
     return done
 
 
@@ -585,6 +596,7 @@ def run_task(task: str, items: list[dict], done: set, args: GeneralEvalArguments
     items = items[:args.limit]
     todo = [(index, item) for index, item in enumerate(items) if item["id"] not in done]
     max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else TASK_MAX_NEW_TOKENS[task]
+    made_by = run_record(task, args)
     grade = GRADERS[task]
     if task in CODE_TASKS:
         grade = functools.partial(grade, memory_mb=args.code_memory_mb)
@@ -601,7 +613,8 @@ def run_task(task: str, items: list[dict], done: set, args: GeneralEvalArguments
                 grade, batch, responses)  # math-verify and the IFEval checkers are pure Python: no gain from threads
             rows = []
             for item, text, response, verdict in zip(batch, raw, responses, graders):
-                row = {"id": item["id"], "prompt": item["messages"][-1]["content"], "output": text, "verdict": verdict}
+                row = {"id": item["id"], "prompt": item["messages"][-1]["content"], "output": text, "verdict": verdict,
+                       "made_by": made_by}
                 row.update({key: item[key] for key in BREAKDOWNS.get(task, ())})
                 if args.think:
                     row["graded_response"] = response
@@ -653,12 +666,14 @@ def evaluate(args: GeneralEvalArguments) -> dict:
     check_sandbox(data, args.code_memory_mb)
     summary_path = output_dir / "summary.json"
     summary = read_summary(summary_path) if summary_path.is_file() else {}
-    done = {task: finished_items(output_dir / f"{task}.jsonl", data[task]) for task in tasks}
+    done = {task: finished_items(output_dir / f"{task}.jsonl", data[task], run_record(task, args)) for task in tasks}
     backend = make_backend(args)
     for task in tasks:
         summary[task] = summarize(task, run_task(task, data[task], done[task], args, backend, output_dir, tqdm))
         partial = summary_path.with_suffix(".json.partial")
-        partial.write_text(json.dumps({**summary, "model": args.model, "think": args.think}, indent=2) + "\n")
+        partial.write_text(json.dumps({**summary, "model": args.model, "think": args.think,
+                                       "made_by": common.model_record(args.model, args.model_base_url)},
+                                      indent=2) + "\n")
         partial.replace(summary_path)  # a run killed while writing leaves the previous summary whole
     return {task: summary[task] for task in tasks}
 

@@ -210,9 +210,26 @@ def default_output(args: EvalArguments) -> Path:
     return Path("runs") / "sentient" / f"{name}{'-think' if args.think else ''}.jsonl"
 
 
-def finished_ids(path: Path) -> set[str]:
-    """Scenarios already in our output (none when it does not exist yet)."""
-    return {row["id"] for row in result_rows(path, skip_cut_last_line=True)} if path.is_file() else set()
+def run_record(args: EvalArguments, simulator_args: simulator.SimulatorArguments) -> dict:
+    """What every result row records as its "made_by": the tested model, and the settings that shape a score."""
+    settings = ("think", "max_reply_tokens", "max_think_tokens", "max_dialogue_tokens", "temperature", "top_p", "seed")
+    simulator_settings = {"simulator": "backend", "simulator_variant": "variant", "simulator_model": "simulator_model",
+                          "simulator_base_url": "base_url", "change_bound": "change_bound",
+                          "simulator_language": "language", "simulator_prompts": "simulator_prompts",
+                          "policy_prompts": "policy_prompts"}
+    return {**common.model_record(args.model, args.model_base_url),
+            **{key: getattr(args, key) for key in settings},
+            **{key: getattr(simulator_args, option) for key, option in simulator_settings.items()}}
+
+
+def finished_ids(path: Path, made_by: dict) -> set[str]:
+    """Scenarios already in our output (none when it does not exist yet), refused when another model or
+    other settings made them."""
+    if not path.is_file():
+        return set()
+    rows = list(result_rows(path, skip_cut_last_line=True))
+    common.check_made_by(path, rows, made_by)
+    return {row["id"] for row in rows}
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
@@ -236,6 +253,7 @@ def play_local(args, simulator_args, chat, profiles, done: set, output: Path, pr
     import torch
 
     common.use_all_cpu_cores()
+    made_by = run_record(args, simulator_args)
     folder, tokenizer = generation.load_tokenizer(args)
     runner = rollout.DialogueRunner(tokenizer, benchmark_dialogues(args), simulator_args, chat)
     lost = []  # scenarios whose simulated user failed past its retries: not written, so a rerun plays them
@@ -251,7 +269,8 @@ def play_local(args, simulator_args, chat, profiles, done: set, output: Path, pr
             torch.manual_seed(args.seed + index)
             dialogues = runner.run([(p, p.first_talk) for p in batch], generate)
             lost += [d for d in dialogues if d.failure is not None]
-            rows = [d.simulator.result_row(d.think_texts) for d in dialogues if d.failure is None]
+            rows = [{**d.simulator.result_row(d.think_texts), "made_by": made_by} for d in dialogues
+                    if d.failure is None]
             append_rows(output, rows)
             progress(rows)
     finally:
@@ -265,6 +284,7 @@ def play_local(args, simulator_args, chat, profiles, done: set, output: Path, pr
 async def play_endpoint(args, simulator_args, chat, profiles, done: set, output: Path, progress) -> None:
     """Scenarios concurrently (at most batch_size at once) against an OpenAI-compatible endpoint; the
     model sees the system prompt and the dialogue's messages, never its own earlier thinking."""
+    made_by = run_record(args, simulator_args)
     client = common.ChatClient(args.model_base_url, args.model, args.model_api_key_env,
                                temperature=args.temperature,
                                max_tokens=args.max_reply_tokens + (args.max_think_tokens if args.think else 0),
@@ -288,7 +308,7 @@ async def play_endpoint(args, simulator_args, chat, profiles, done: set, output:
                 thoughts.append(thought)
                 turn = await user.respond(reply)
                 messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": turn.message}]
-            row = user.result_row(thoughts)
+            row = {**user.result_row(thoughts), "made_by": made_by}
         append_rows(output, [row])  # one event loop thread: appends never interleave
         progress([row])
 
@@ -300,8 +320,10 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
     profiles = simulator.load_profiles(args.profiles, require_first_talk=True)[:args.limit]
     simulator.check_backend(profiles, simulator_args)
     output = Path(args.output) if args.output else default_output(args)
-    common.check_output_file(output, "output")  # its folder is made with the first row written
-    done = finished_ids(output)
+    # Its folder is made with the first row written; a file of rows, ours, is resumed (finished_ids).
+    common.check_output_file(output, "output", common.starts_with(b'{"'), [args.profiles])
+    made_by = run_record(args, simulator_args)
+    done = finished_ids(output, made_by)
     unknown = done - {p.id for p in profiles}
     if unknown:
         raise ResultFileError(f"{output} holds results for scenarios not in {args.profiles} (e.g. "
@@ -320,8 +342,7 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
             else:
                 play_local(args, simulator_args, chat, profiles, done, output, progress)
     summary = summarize(read_results(output, skip_cut_last_line=True), args.bootstrap_samples)
-    summary.update(results=str(output), model=args.model, think=args.think, simulator=simulator_args.backend,
-                   simulator_model=simulator_args.simulator_model if simulator_args.backend != "rule" else None)
+    summary.update(results=str(output), made_by=made_by)
     output.with_suffix(".summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     return summary
 

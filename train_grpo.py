@@ -414,13 +414,14 @@ def main(argv: list[str] | None = None) -> None:
     profiles = {p.id: p for p in simulator.load_profiles(dialogue_args.profiles)}
     simulator.check_backend(profiles.values(), simulator_args)
     check_profile_count(len(profiles), dialogue_args.profiles, training_args)
+    common.check_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path,
+                            bool(training_args.resume_from_checkpoint), "--resume_from_checkpoint")
     # Several nodes: checkpoints hold every rank's DeepSpeed shard and resume reads them, so one folder for all.
     common.check_shared_folder(training_args.output_dir, training_args.distributed_state)
+    if training_args.distributed_state.is_main_process:
+        common.mark_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path)
 
     transcripts = Path(training_args.output_dir) / "transcripts.jsonl"
-    if transcripts.exists() and not training_args.resume_from_checkpoint:
-        raise SystemExit(f"{training_args.output_dir} already holds a run ({transcripts.name}); choose another "
-                         "--output_dir, delete that folder, or pass --resume_from_checkpoint to continue it")
     if training_args.resume_from_checkpoint:  # the checkpoint's steps will be played again: drop their rows
         state = Path(training_args.resume_from_checkpoint) / "trainer_state.json"
         if not state.is_file():

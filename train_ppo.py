@@ -634,10 +634,11 @@ def main(argv=None) -> None:
     accelerator = Accelerator(log_with=None if args.report_to == "none" else args.report_to,
                               project_dir=str(output_dir))
     check_launch(args, accelerator)
+    common.check_run_folder(output_dir, "train_ppo.py", args.model_name_or_path, args.resume, "--resume")
     common.check_shared_folder(output_dir, accelerator)  # several nodes: checkpoints need one folder for all
+    if accelerator.is_main_process:
+        common.mark_run_folder(output_dir, "train_ppo.py", args.model_name_or_path)
     transcripts, metrics_file = run_files(output_dir, accelerator)
-    if transcripts.exists() and not args.resume:
-        raise SystemExit(f"{output_dir} already holds a run; choose another --output_dir, delete it, or pass --resume")
     checkpoint, start_step = None, 0
     if args.resume:  # the files' faults (a line cut short by a kill, ...) show now, not after the models load
         checkpoint, start_step = resume_point(output_dir, transcripts, metrics_file, args.save_steps, accelerator)

@@ -1,6 +1,7 @@
 """Bad input to the trainers: each gets one line naming what is wrong, where and what to do, a non-zero exit
 and no traceback, before any model loads; files a killed run left behind are repaired, not lost."""
 import json
+import re
 import subprocess
 import sys
 import types
@@ -215,7 +216,7 @@ def test_resume_refuses_a_bad_line_in_the_middle_naming_it_and_leaves_the_file_a
 
 def test_ppo_resume_over_a_bad_transcript_line_fails_before_any_model_loads(tmp_path, model_folder):
     output_dir = tmp_path / "run"
-    output_dir.mkdir()
+    common.mark_run_folder(output_dir, "train_ppo.py", str(model_folder))  # an earlier run's
     (output_dir / "transcripts.jsonl").write_text('{"step": 0}\nnot json\n{"step": 0}\n')
     with pytest.raises(common.InputError, match=r"transcripts.jsonl:2: not valid JSON"):
         train_ppo.main(["--model_name_or_path", str(model_folder), "--output_dir", str(output_dir), "--resume"])
@@ -233,7 +234,7 @@ def test_transcripts_are_appended_after_a_last_line_cut_short_is_dropped(tmp_pat
 
 def test_ppo_resume_of_a_finished_run_without_checkpoints_is_refused_keeping_its_policy(tmp_path, model_folder):
     output_dir = tmp_path / "run"
-    output_dir.mkdir()
+    common.mark_run_folder(output_dir, "train_ppo.py", str(model_folder))
     (output_dir / "transcripts.jsonl").write_text('{"step": 0}\n')
     (output_dir / "critic.pt").write_bytes(b"weights")
     with pytest.raises(common.InputError, match="holds a finished run without checkpoints"):
@@ -246,7 +247,7 @@ def test_ppo_resume_before_the_first_checkpoint_starts_again_at_step_0_without_t
     """Killed before its first save: the steps it played are played again, so their rows go, with a note
     (not appended to: steps 0, 1 then 0 again)."""
     output_dir = tmp_path / "run"
-    output_dir.mkdir()
+    common.mark_run_folder(output_dir, "train_ppo.py", str(tiny_model_dir))
     write_jsonl(output_dir / "transcripts.jsonl", [{"step": 0}, {"step": 0}, {"step": 1}, {"step": 1}])
     write_jsonl(output_dir / "metrics.jsonl", [{"step": 0}, {"step": 1}])
     train_ppo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(output_dir), "--resume",
@@ -256,3 +257,44 @@ def test_ppo_resume_before_the_first_checkpoint_starts_again_at_step_0_without_t
     assert [json.loads(line)["step"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()] == [0]
     note = capsys.readouterr().out
     assert "--resume: no checkpoint in" in note and "dropped the 4 transcript rows and 2 metrics rows" in note
+
+
+# --------------------------------------------------------------------------------------------
+# Output folders: a trainer writes only into its own run's folder
+# --------------------------------------------------------------------------------------------
+
+def trainer_main(script):
+    return {"train_ppo.py": train_ppo.main, "train_grpo.py": train_grpo.main}[script]
+
+
+@pytest.mark.parametrize("script", ["train_ppo.py", "train_grpo.py"])
+@pytest.mark.parametrize("theirs, message", [
+    ({"README.md": "my notes"}, "holds files that no {script} run wrote (README.md)"),
+    ({"checkpoint-1/state.pt": "x"}, "holds files that no {script} run wrote (checkpoint-1)"),
+    ({"rlver-run.json": '{"script": "other.py", "model": "m"}'}, "holds a other.py run; choose another folder"),
+    ({"rlver-run.json": "not json"}, "rlver-run.json: not a run marker"),
+])
+def test_a_trainer_refuses_an_output_folder_holding_what_it_did_not_write(tmp_path, model_folder, script, theirs,
+                                                                          message):
+    output_dir = tmp_path / "run"
+    for name, text in theirs.items():
+        (output_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (output_dir / name).write_text(text)
+    with pytest.raises(common.InputError, match=re.escape(message.format(script=script))):
+        trainer_main(script)(["--model_name_or_path", str(model_folder), "--output_dir", str(output_dir)])
+    assert {str(p.relative_to(output_dir)): p.read_text() for p in output_dir.rglob("*") if p.is_file()} == theirs
+
+
+@pytest.mark.parametrize("script, resume", [("train_ppo.py", ["--resume"]),
+                                            ("train_grpo.py", ["--resume_from_checkpoint", "true"])])
+def test_a_trainer_continues_its_own_run_only_when_asked_and_only_with_its_model(tmp_path, model_folder, script,
+                                                                                 resume):
+    output_dir = tmp_path / "run"
+    common.mark_run_folder(output_dir, script, "another/model")
+    (output_dir / "transcripts.jsonl").write_text('{"step": 0}\n')
+    argv = ["--model_name_or_path", str(model_folder), "--output_dir", str(output_dir)]
+    with pytest.raises(common.InputError, match=f"already holds a run; .* or pass {resume[0]} to continue it"):
+        trainer_main(script)(argv)
+    with pytest.raises(common.InputError, match=f"{resume[0]}: .* holds a run of another/model, not of "):
+        trainer_main(script)(argv + resume)
+    assert (output_dir / "transcripts.jsonl").read_text() == '{"step": 0}\n'

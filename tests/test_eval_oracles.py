@@ -8,15 +8,17 @@ differ, several boxed answers, runs whose length is not a multiple of five.
 import asyncio
 import json
 import math
+import re
 from html.parser import HTMLParser
 
 import numpy as np
 import pytest
-from conftest import write_jsonl
+from conftest import profile_row, write_jsonl
 from test_rollout_properties import IM_END, byte_tokenizer  # noqa: F401 (a fixture)
 from hypothesis import given
 from hypothesis import strategies as st
 
+import common
 import eval_general
 import eval_sentient
 import plot_training
@@ -691,6 +693,8 @@ def test_the_benchmark_against_an_endpoint_seeds_each_scenario_by_its_position(t
         asyncio.run(eval_sentient.play_endpoint(args, simulator.SimulatorArguments(), None, profiles,
                                                 {profiles[1].id}, tmp_path / "r.jsonl", rows.extend))
     assert sorted(row["id"] for row in rows) == sorted([profiles[0].id, profiles[2].id])
+    made_by = {"model": "tested", "model_base_url": server.base_url, "seed": 11, "simulator": "rule"}
+    assert all(row["made_by"].items() >= made_by.items() for row in rows)
     opening_seed = {body["messages"][1]["content"]: body["seed"] for body in server.requests}
     assert opening_seed == {profiles[0].first_talk: 11, profiles[2].first_talk: 13}
 
@@ -722,6 +726,7 @@ def test_a_resumed_local_benchmark_plays_every_unfinished_batch_seeded_by_its_po
     assert seeds == [5, 7]
     assert [row["id"] for row in rows] == [profiles[2].id, profiles[4].id]
     assert [row["id"] for row in eval_sentient.read_results(tmp_path / "r.jsonl")] == [profiles[2].id, profiles[4].id]
+    assert all(row["made_by"] == eval_sentient.run_record(args, simulator.SimulatorArguments()) for row in rows)
     played = {index for index, profile in enumerate(profiles) for call in openings for context in call
               if profile.first_talk in context}
     assert played == {2, 4}  # the finished scenarios are not played again
@@ -831,15 +836,18 @@ def test_general_options_out_of_range_or_not_canonical_dates_are_refused(field, 
 
 
 def test_a_partial_general_result_file_resumes_and_a_foreign_one_is_refused(tmp_path):
-    items = [{"id": "a"}, {"id": "b"}, {"id": "c"}]
-    partial = write_jsonl(tmp_path / "partial.jsonl", [{"id": "a", "verdict": {}}, {"id": "b", "verdict": {}}])
-    assert eval_general.finished_items(partial, items) == {"a", "b"}
+    items, made_by = [{"id": "a"}, {"id": "b"}, {"id": "c"}], {"model": "m", "seed": 0}
+    partial = write_jsonl(tmp_path / "partial.jsonl", [{"id": "a", "verdict": {}, "made_by": made_by},
+                                                       {"id": "b", "verdict": {}, "made_by": made_by}])
+    assert eval_general.finished_items(partial, items, made_by) == {"a", "b"}
+    with pytest.raises(common.InputError, match=r"partial.jsonl: its rows were made with seed=0; this run has seed=1"):
+        eval_general.finished_items(partial, items, {"model": "m", "seed": 1})
     foreign = write_jsonl(tmp_path / "foreign.jsonl", [{"id": "a", "verdict": {}}, {"id": "zz", "verdict": {}}])
     with pytest.raises(eval_general.DataError, match="holds items this data does not have"):
-        eval_general.finished_items(foreign, items)
+        eval_general.finished_items(foreign, items, made_by)
     unverdicted = write_jsonl(tmp_path / "bad.jsonl", [{"id": "a"}])
     with pytest.raises(eval_general.DataError, match=r"bad.jsonl:1: a result row needs 'id' and 'verdict'"):
-        eval_general.finished_items(unverdicted, items)
+        eval_general.finished_items(unverdicted, items, made_by)
 
 
 @pytest.mark.parametrize("point", [True, "50", None, -1, 101])
@@ -896,7 +904,64 @@ def test_two_result_files_are_compared_only_when_both_are_of_one_task(tmp_path, 
 def test_a_benchmark_killed_mid_row_resumes_from_its_whole_rows(tmp_path, capsys):
     """The scenarios already played are those of whole rows; the one whose row was cut short is played again."""
     path = tmp_path / "results.jsonl"
-    whole = {"id": "a", "emo_point": 40, "history": []}
+    whole = {"id": "a", "emo_point": 40, "history": [], "made_by": {"model": "m"}}
     path.write_text(json.dumps(whole) + "\n" + '{"id": "b", "emo_po')
-    assert eval_sentient.finished_ids(path) == {"a"}
-    assert eval_sentient.finished_ids(tmp_path / "none.jsonl") == set()
+    assert eval_sentient.finished_ids(path, {"model": "m"}) == {"a"}
+    assert eval_sentient.finished_ids(tmp_path / "none.jsonl", {"model": "m"}) == set()
+
+
+def played_rows(path, args, simulator_args=None):
+    """A result file of two rows that `args` made."""
+    made_by = eval_sentient.run_record(args, simulator_args or simulator.SimulatorArguments())
+    return write_jsonl(path, [{"id": id_, "emo_point": 50, "history": [], "made_by": made_by}
+                              for id_ in ("en-test-01", "en-test-02")])
+
+
+@pytest.mark.parametrize("change, differ", [
+    (dict(temperature=0.9), "temperature=0.7; this run has temperature=0.9"),
+    (dict(think=True), "think=False; this run has think=True"),
+    (dict(model="other/model"), "model='no/such-model'; this run has model='other/model'"),
+])
+def test_a_benchmark_resumed_with_another_model_or_settings_is_refused_naming_the_difference(tmp_path, change,
+                                                                                            differ):
+    output = played_rows(tmp_path / "r.jsonl", eval_sentient.EvalArguments(model="no/such-model"))
+    before = output.read_text()
+    args = eval_sentient.EvalArguments(**{"model": "no/such-model", "output": str(output), **change})
+    with pytest.raises(common.InputError, match=re.escape(differ)):
+        eval_sentient.evaluate(args, simulator.SimulatorArguments())
+    assert output.read_text() == before
+
+
+def test_a_local_models_record_changes_with_its_weights_and_names_an_adapters_base(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"\0" * 3_000_000)
+    first = common.model_record(str(folder))
+    (folder / "model.safetensors").write_bytes(b"\0" * 2_999_999 + b"\1")  # the last byte retrained
+    assert common.model_record(str(folder))["model_fingerprint"] != first["model_fingerprint"]
+    assert first["model"] == str(folder.resolve())
+    (folder / "adapter_config.json").write_text('{"base_model_name_or_path": "Qwen/Qwen2.5-7B-Instruct"}')
+    assert common.model_record(str(folder))["base_model"] == "Qwen/Qwen2.5-7B-Instruct"
+    assert common.model_record("m", "http://127.0.0.1:9/v1") == {"model": "m", "model_base_url": "http://127.0.0.1:9/v1"}
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"id": "en-test-01", "emo_point": 50, "history": []}\n', "row 1 does not say which model and settings made it"),
+    ("# my notes\n", "a file this script did not write"),
+])
+def test_a_benchmark_output_not_made_by_a_recorded_run_is_refused(tmp_path, content, message):
+    output = tmp_path / "r.jsonl"
+    output.write_text(content)
+    with pytest.raises(common.InputError, match=message):
+        eval_sentient.evaluate(eval_sentient.EvalArguments(model="no/such-model", output=str(output)),
+                               simulator.SimulatorArguments())
+    assert output.read_text() == content
+
+
+def test_the_benchmark_refuses_to_write_its_results_into_its_scenarios_file(tmp_path):
+    profiles = write_jsonl(tmp_path / "bench.jsonl", [profile_row(first_talk="Hi.")])
+    before = profiles.read_text()
+    with pytest.raises(common.InputError, match="an input of this run"):
+        eval_sentient.evaluate(eval_sentient.EvalArguments(model="no/such-model", profiles=str(profiles),
+                                                           output=str(profiles)), simulator.SimulatorArguments())
+    assert profiles.read_text() == before

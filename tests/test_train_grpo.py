@@ -160,6 +160,7 @@ def test_a_resume_from_a_folder_without_trainer_state_is_refused_before_the_mode
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail_if_called)
     (tmp_path / "run" / "checkpoint-2").mkdir(parents=True)
+    common.mark_run_folder(tmp_path / "run", "train_grpo.py", str(tiny_model_dir))
     with pytest.raises(SystemExit, match="checkpoint-2: no trainer_state.json there; give a checkpoint folder"):
         train_grpo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "run"),
                          "--resume_from_checkpoint", str(tmp_path / "run" / "checkpoint-2")])
@@ -176,6 +177,7 @@ def test_a_resume_drops_the_rows_of_the_steps_it_will_play_again_before_the_mode
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail_if_called)
     checkpoint = tmp_path / "run" / "checkpoint-2"
     checkpoint.mkdir(parents=True)
+    common.mark_run_folder(tmp_path / "run", "train_grpo.py", str(tiny_model_dir))
     (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
     for name in ("transcripts.jsonl", "transcripts.rank1.jsonl"):
         common.append_json_lines(tmp_path / "run" / name, [{"step": step} for step in (0, 1, 2, 3)])
