@@ -248,6 +248,84 @@ def check_output_file(path, option: str, made_here=None, inputs=()) -> None:
     check_output_folder(path.parent, option, given=path)
 
 
+def exit_interrupted(message: str):
+    """Ctrl-C outside a training step: one line saying what was kept and how to go on, exit status 130. A
+    Ctrl-C while it is said quits at once (the default action: no traceback)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    print(f"\ninterrupted: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(130)
+
+
+class StopRequest:
+    """Ctrl-C in a training run. The first asks the run to stop once the step in progress is done, with a
+    checkpoint (a step cut in half would save weights half-updated); a second quits at once, saving nothing.
+    Each rank catches its own signal, and stop_agreed makes every rank decide alike at the end of a step (a
+    rank saving alone would wait forever for the others' part of a checkpoint)."""
+
+    def __init__(self, show: bool = True):
+        self.requested, self.show, self.previous = False, show, None
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self.handle)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+    def handle(self, signum, frame) -> None:
+        if self.requested:
+            if self.show:
+                print("\nCtrl-C again: quitting now, without saving", file=sys.stderr, flush=True)
+            os._exit(130)
+        self.requested = True
+        if self.show:
+            print("\nCtrl-C: stopping once this step is done, with a checkpoint (Ctrl-C again quits now, without "
+                  "saving)", file=sys.stderr, flush=True)
+
+    def stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop; every rank calls it at the same point of each step."""
+        from accelerate import PartialState
+        from accelerate.utils import gather_object
+
+        if PartialState().num_processes == 1:
+            return self.requested
+        return any(gather_object([self.requested]))
+
+
+def resume_command(option: str, value: str | None = None) -> str:
+    """The command line that continues this run: this script and its options, with `option` (and its
+    `value`) in place of any it had (under accelerate launch, keep the launcher's own flags before it)."""
+    import shlex
+
+    argv, kept = sys.argv[1:], []
+    while argv:
+        arg = argv.pop(0)
+        if arg == option and value is not None and argv and not argv[0].startswith("--"):
+            argv.pop(0)  # the old value
+        elif arg != option and not arg.startswith(option + "="):
+            kept.append(arg)
+    return "python " + shlex.join([Path(sys.argv[0]).name, *kept, option, *([value] if value is not None else [])])
+
+
+def note_interruption(folder, step: int, checkpoint) -> None:
+    """Mark a run stopped by Ctrl-C in its RUN_MARKER: after which step, and the checkpoint that holds it."""
+    marker = Path(folder) / RUN_MARKER
+    made = json.loads(marker.read_text())
+    made.setdefault("interrupted", []).append({"after_step": step, "checkpoint": str(checkpoint)})
+    marker.write_text(json.dumps(made) + "\n")
+
+
 def model_record(model: str, base_url: str | None = None) -> dict:
     """Which model made a result: an endpoint's model name and URL; a hub id or the packaged model by its
     name; a local folder by its path and a fingerprint of its files (each one's name, size and first and
@@ -289,6 +367,48 @@ def check_made_by(path, rows: list[dict], made_by: dict) -> None:
             now = ", ".join(f"{key}={made_by.get(key)!r}" for key in differ)
             raise InputError(f"{path}: its rows were made with {was}; this run has {now}. Resume with the "
                              "same model and settings, or choose another output")
+
+
+def checkpoint_problem(folder, required: tuple[str, ...]) -> str | None:
+    """Why a checkpoint folder cannot be resumed from (None if it can): a `required` member missing, an
+    empty file, a torch file (.pt, .bin, .pth: zip archives) cut short, a safetensors file or JSON file
+    that does not parse. A kill while saving, a full disk or a copy cut short leaves such a folder."""
+    import zipfile
+
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    missing = [name for name in required if not (folder / name).exists()]
+    if missing:
+        return f"no {missing[0]}"
+    for path in sorted(path for path in folder.rglob("*") if path.is_file()):
+        name = path.relative_to(folder)
+        if path.stat().st_size == 0:
+            return f"{name} is empty"
+        try:
+            if path.suffix in (".pt", ".bin", ".pth") and not zipfile.is_zipfile(path):
+                return f"{name} is cut short or not a torch file"
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), "pt"):
+                    pass
+            if path.suffix == ".json":
+                json.loads(path.read_text(encoding="utf-8"))
+        except Exception as error:  # any parse error: the file is not whole
+            return f"{name} does not read ({type(error).__name__})"
+    return None
+
+
+def newest_whole_checkpoint(output_dir, required: tuple[str, ...], say=print) -> Path | None:
+    """The newest checkpoint-N folder of `output_dir` that checkpoint_problem finds whole, `say`ing why each
+    newer one was passed over; None if there is none."""
+    folders = sorted((path for path in Path(output_dir).glob("checkpoint-*") if path.name.split("-")[1].isdigit()),
+                     key=lambda path: int(path.name.split("-")[1]), reverse=True)
+    for folder in folders:
+        problem = checkpoint_problem(folder, required)
+        if problem is None:
+            return folder
+        say(f"{folder}: {problem}; passed over for an earlier checkpoint")
+    return None
 
 
 RUN_MARKER = "rlver-run.json"  # written into a trainer's output folder when its run starts: whose run it is

@@ -669,7 +669,12 @@ def evaluate(args: GeneralEvalArguments) -> dict:
     done = {task: finished_items(output_dir / f"{task}.jsonl", data[task], run_record(task, args)) for task in tasks}
     backend = make_backend(args)
     for task in tasks:
-        summary[task] = summarize(task, run_task(task, data[task], done[task], args, backend, output_dir, tqdm))
+        try:
+            rows = run_task(task, data[task], done[task], args, backend, output_dir, tqdm)
+        except KeyboardInterrupt:  # every graded batch's rows are in the task's file already
+            common.exit_interrupted(f"the graded items are in {output_dir}; run the same command again to "
+                                    "grade the rest")
+        summary[task] = summarize(task, rows)
         partial = summary_path.with_suffix(".json.partial")
         partial.write_text(json.dumps({**summary, "model": args.model, "think": args.think,
                                        "made_by": common.model_record(args.model, args.model_base_url)},

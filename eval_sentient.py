@@ -337,10 +337,14 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
                 points.extend(row["emo_point"] for row in rows)
                 bar.advance(len(rows), sum(points) / len(points))
 
-            if args.model_base_url:
-                asyncio.run(play_endpoint(args, simulator_args, chat, profiles, done, output, progress))
-            else:
-                play_local(args, simulator_args, chat, profiles, done, output, progress)
+            try:
+                if args.model_base_url:
+                    asyncio.run(play_endpoint(args, simulator_args, chat, profiles, done, output, progress))
+                else:
+                    play_local(args, simulator_args, chat, profiles, done, output, progress)
+            except KeyboardInterrupt:  # every finished scenario's row is in the output already
+                common.exit_interrupted(f"{len(finished_ids(output, made_by))} of {len(profiles)} scenarios are in "
+                                        f"{output}; run the same command again to play the rest")
     summary = summarize(read_results(output, skip_cut_last_line=True), args.bootstrap_samples)
     summary.update(results=str(output), made_by=made_by)
     output.with_suffix(".summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")

@@ -697,9 +697,16 @@ def main(argv=None) -> None:
     except common.ArgumentError as error:
         parser.error(str(error))
     try:
-        asyncio.run(_talk(play_args, simulator_args))
+        # Not asyncio.run: its Ctrl-C handling waits for a pending input() to return, then raises on a second.
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(_talk(play_args, simulator_args))
+        finally:
+            loop.close()
     except (common.InputError, common.EndpointError) as error:
         sys.exit(f"error: {error}")
+    except KeyboardInterrupt:
+        common.exit_interrupted("the dialogue was left")
 
 
 async def _talk(play_args: PlayArguments, simulator_args: SimulatorArguments) -> None:

@@ -72,7 +72,7 @@ from typing import Literal
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from datasets import Dataset
-from transformers import AutoTokenizer, PretrainedConfig
+from transformers import AutoTokenizer, PretrainedConfig, TrainerCallback
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 
@@ -97,7 +97,7 @@ DEMO_DEFAULTS = dict(
     # paper: none. With --think the packaged model closes a thought in a few turns in a hundred; paid a
     # penalty graded by the share of violating turns (rollout.reward), it learns to close them in 30 steps.
     format_penalty=0.1,
-    logging_steps=1, save_strategy="no", report_to="none",
+    logging_steps=1, save_strategy="steps", save_steps=10, report_to="none",  # a checkpoint every 10 steps
     gradient_checkpointing=False,  # a 135M model fits; checkpointing would only slow the CPU down
     bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
     # With --use_vllm: cap each token's importance ratio instead of TRL's default, which drops a whole
@@ -361,6 +361,38 @@ def token_advantages(outcome: torch.Tensor, terms: list[list[float]], sampled_tu
     return outcome.unsqueeze(1) + (coef * per_token).to(outcome.dtype).to(outcome.device)
 
 
+def resume_checkpoint(training_args: GRPOConfig) -> Path:
+    """The checkpoint --resume_from_checkpoint names, checked whole; `true` (or `latest`): the newest whole
+    one in output_dir, passing over broken ones with a note."""
+    given = training_args.resume_from_checkpoint
+    if given.lower() in ("true", "latest"):
+        folder = common.newest_whole_checkpoint(training_args.output_dir, ("trainer_state.json",),
+                                                lambda note: print(note, file=sys.stderr))
+        if folder is None:
+            raise common.InputError(f"--resume_from_checkpoint {given}: no whole checkpoint in "
+                                    f"{training_args.output_dir} (one is saved every --save_steps)")
+        return folder
+    problem = common.checkpoint_problem(given, ("trainer_state.json",))
+    if problem:
+        newest = common.newest_whole_checkpoint(training_args.output_dir, ("trainer_state.json",), lambda note: None)
+        instead = f"; the newest whole one is {newest}" if newest else ""
+        raise common.InputError(f"--resume_from_checkpoint {given}: {problem}; give a checkpoint folder such as "
+                                f"{training_args.output_dir}/checkpoint-10{instead}, or true for the newest")
+    return Path(given)
+
+
+class StopOnCtrlC(TrainerCallback):
+    """Ctrl-C (common.StopRequest, set as `request` while training): once the step in progress is done, the
+    Trainer saves a full checkpoint and stops; `stopped` says it did."""
+
+    def __init__(self):
+        self.request, self.stopped = None, False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.request is not None and self.request.stop_agreed() and state.global_step < state.max_steps:
+            control.should_save = control.should_training_stop = self.stopped = True
+
+
 class DialogueGRPOTrainer(GRPOTrainer):
     """TRL's GRPOTrainer plus:
     - with `turn_credit` on, token-level advantages: TRL's group-normalised outcome advantage of the dialogue
@@ -423,10 +455,8 @@ def main(argv: list[str] | None = None) -> None:
 
     transcripts = Path(training_args.output_dir) / "transcripts.jsonl"
     if training_args.resume_from_checkpoint:  # the checkpoint's steps will be played again: drop their rows
+        training_args.resume_from_checkpoint = str(resume_checkpoint(training_args))
         state = Path(training_args.resume_from_checkpoint) / "trainer_state.json"
-        if not state.is_file():
-            raise SystemExit(f"--resume_from_checkpoint {training_args.resume_from_checkpoint}: no trainer_state.json "
-                             f"there; give a checkpoint folder such as {training_args.output_dir}/checkpoint-10")
         for path in [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]:
             rollout.keep_rows_before(path, json.loads(state.read_text())["global_step"])
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -456,13 +486,24 @@ def main(argv: list[str] | None = None) -> None:
         turn_credit=credit_args,
         change_bound=simulator_args.change_bound,
     )
-    try:
-        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    except rollout.TooManySimulatorFailures as error:
-        trainer._save_checkpoint(trainer.model, trial=None)  # Trainer's own full checkpoint: weights, optimizer, RNG
+    stop_on_ctrl_c = StopOnCtrlC()
+    trainer.add_callback(stop_on_ctrl_c)
+    with common.StopRequest(show=trainer.accelerator.is_main_process) as stop_on_ctrl_c.request:
+        try:
+            trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        except rollout.TooManySimulatorFailures as error:
+            trainer._save_checkpoint(trainer.model, trial=None)  # Trainer's own checkpoint: weights, optimizer, RNG
+            folder = Path(training_args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+            raise SystemExit(f"stopped at step {trainer.state.global_step} ({folder} holds the state before it; "
+                             f"continue with --resume_from_checkpoint {folder}): {error}") from None
+    if stop_on_ctrl_c.stopped:  # the Trainer saved the checkpoint of the step it stopped after
         folder = Path(training_args.output_dir) / f"checkpoint-{trainer.state.global_step}"
-        raise SystemExit(f"stopped at step {trainer.state.global_step} ({folder} holds the state before it; "
-                         f"continue with --resume_from_checkpoint {folder}): {error}") from None
+        runner.close()
+        if trainer.accelerator.is_main_process:
+            common.note_interruption(training_args.output_dir, trainer.state.global_step - 1, folder)
+            print(f"interrupted after step {trainer.state.global_step - 1}: {folder} holds its state; continue "
+                  f"with: {common.resume_command('--resume_from_checkpoint', str(folder))}", file=sys.stderr)
+        raise SystemExit(130)
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
     if training_args.push_to_hub:
@@ -476,5 +517,8 @@ if __name__ == "__main__":
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.16
     try:
         main()
-    except (common.InputError, simulator.SimulatorError) as error:  # bad input or endpoint: say what, no traceback
+    except (common.InputError, common.EndpointError, simulator.SimulatorError) as error:  # say what, no traceback
         raise SystemExit(f"error: {error}") from None
+    except KeyboardInterrupt:  # during a step, StopOnCtrlC saves first; this is set-up or the final save
+        common.exit_interrupted("outside a training step: nothing new saved; the checkpoints in --output_dir are "
+                                "whole (continue from the newest with --resume_from_checkpoint true)")

@@ -614,9 +614,7 @@ def load_checkpoint(folder: Path, model, optimizer, accelerator) -> int:
     return state["step"]
 
 
-def newest_checkpoint(output_dir: Path) -> Path | None:
-    checkpoints = sorted(output_dir.glob("checkpoint-*[0-9]"), key=lambda p: int(p.name.split("-")[1]))
-    return checkpoints[-1] if checkpoints else None
+CHECKPOINT_MEMBERS = ("state.pt", "critic.pt", "policy")  # what save_checkpoint writes on every launch
 
 
 # --------------------------------------------------------------------------------------------
@@ -658,7 +656,8 @@ def main(argv=None) -> None:
 
     dialogues_per_step = args.profiles_per_step * args.dialogues_per_profile  # this rank's
     with rollout.DialogueProgress(args.max_steps * dialogues_per_step, start_step * dialogues_per_step,
-                                  "PPO dialogues", show=accelerator.is_main_process) as bar:
+                                  "PPO dialogues", show=accelerator.is_main_process) as bar, \
+            common.StopRequest(show=accelerator.is_main_process) as stop:
         for step in range(start_step, args.max_steps):
             started = time.perf_counter()
 
@@ -716,6 +715,8 @@ def main(argv=None) -> None:
             if (step + 1) % args.save_steps == 0:
                 save_checkpoint(output_dir / f"checkpoint-{step + 1}", step + 1, model, optimizer, tokenizer,
                                 accelerator)
+            if stop.stop_agreed() and step + 1 < args.max_steps:
+                stop_interrupted(output_dir, step + 1, model, optimizer, tokenizer, accelerator)
 
     if accelerator.is_main_process:
         save_policy(output_dir, networks, tokenizer)
@@ -777,7 +778,7 @@ def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_s
     the rows written since were of steps that are played again, so they go, with a note. (Refusing instead
     would leave the user to delete the same rows by hand.) A finished run without checkpoints is refused:
     starting it over would overwrite the policy it saved."""
-    checkpoint = newest_checkpoint(output_dir)
+    checkpoint = common.newest_whole_checkpoint(output_dir, CHECKPOINT_MEMBERS, accelerator.print)
     if checkpoint is None and transcripts.exists() and (output_dir / "critic.pt").is_file():
         raise common.InputError(f"--resume: {output_dir} holds a finished run without checkpoints (none every "
                                 f"--save_steps {save_steps}), so there is nothing to continue; choose another "
@@ -853,6 +854,18 @@ def stop_if_simulators_failed(dialogues, step: int, dialogue_args, output_dir: P
         raise SystemExit(f"stopped at step {step} ({saved}): {error}") from None
 
 
+def stop_interrupted(output_dir: Path, step: int, model, optimizer, tokenizer, accelerator) -> None:
+    """Ctrl-C (common.StopRequest): save the state before `step` unless saved already, mark the run, exit 130."""
+    folder = output_dir / f"checkpoint-{step}"
+    if not folder.exists():
+        save_checkpoint(folder, step, model, optimizer, tokenizer, accelerator)
+    if accelerator.is_main_process:
+        common.note_interruption(output_dir, step - 1, folder)
+        print(f"interrupted after step {step - 1}: {folder} holds its state; continue with: "
+              f"{common.resume_command('--resume')}", file=sys.stderr)
+    raise SystemExit(130)
+
+
 def reference_logprobs(reference, batch: dict, temperature: float):
     """The frozen reference's log-probs at the actions (None without a reference: kl_coef 0)."""
     if reference is None:
@@ -923,3 +936,6 @@ if __name__ == "__main__":
         main()
     except (common.InputError, common.EndpointError) as error:  # bad input or endpoint: say what, no traceback
         raise SystemExit(f"error: {error}") from None
+    except KeyboardInterrupt:  # during a step, common.StopRequest saves first; this is set-up or the final save
+        common.exit_interrupted("outside a training step: nothing new saved; the checkpoints in --output_dir are "
+                                "whole (continue from the newest with --resume)")

@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -22,6 +23,14 @@ settings.load_profile("suite")
 # The official RLVER files are third-party data, never committed: tests that need them read the folder
 # named by $RLVER_OFFICIAL_DATA and are skipped without it.
 OFFICIAL_DATA = Path(os.environ.get("RLVER_OFFICIAL_DATA", "/nonexistent"))
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_handler_restored():
+    """A script's Ctrl-C handling, run in this process, leaves pytest's own handler in place after the test."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
 
 
 def pytest_terminal_summary(terminalreporter):

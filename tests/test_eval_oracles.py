@@ -965,3 +965,32 @@ def test_the_benchmark_refuses_to_write_its_results_into_its_scenarios_file(tmp_
         eval_sentient.evaluate(eval_sentient.EvalArguments(model="no/such-model", profiles=str(profiles),
                                                            output=str(profiles)), simulator.SimulatorArguments())
     assert profiles.read_text() == before
+
+
+def test_ctrl_c_in_the_benchmark_keeps_the_finished_rows_and_says_how_to_go_on(tmp_path, monkeypatch, capsys):
+    args = eval_sentient.EvalArguments(model="no/such-model", output=str(tmp_path / "r.jsonl"), limit=3)
+
+    def one_then_ctrl_c(args, simulator_args, chat, profiles, done, output, progress):
+        made_by = eval_sentient.run_record(args, simulator_args)
+        eval_sentient.append_rows(output, [{"id": profiles[0].id, "emo_point": 50, "history": [], "made_by": made_by}])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_sentient.common, "check_local_model", lambda args: None)
+    monkeypatch.setattr(eval_sentient, "play_local", one_then_ctrl_c)
+    with pytest.raises(SystemExit) as stopped:
+        eval_sentient.evaluate(args, simulator.SimulatorArguments())
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err.strip() == (f"interrupted: 1 of 3 scenarios are in {tmp_path / 'r.jsonl'}; run the "
+                                               "same command again to play the rest")
+
+
+def test_ctrl_c_while_typing_a_reply_leaves_the_dialogue_in_one_line(monkeypatch, capsys):
+    import builtins
+
+    def ctrl_c(prompt=""):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(builtins, "input", ctrl_c)
+    with pytest.raises(SystemExit) as stopped:
+        simulator.main(["--profile", "en-train-01"])
+    assert stopped.value.code == 130 and capsys.readouterr().err.endswith("interrupted: the dialogue was left\n")

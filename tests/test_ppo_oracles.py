@@ -6,6 +6,7 @@ profiles per step and dialogues per profile) holds different values here, so rea
 import copy
 import math
 import random
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import common
 import train_ppo
 from test_rollout_properties import byte_tokenizer  # noqa: F401 (a fixture)
 
@@ -583,11 +585,42 @@ def test_a_run_plays_dialogues_per_profile_of_each_profile_and_trains_a_second_e
     assert metrics["ppo/clip_fraction"] > 0
 
 
+def whole_checkpoint(folder):
+    """A PPO checkpoint's members, whole (tiny)."""
+    (folder / "policy").mkdir(parents=True)
+    (folder / "policy" / "adapter_config.json").write_text("{}")
+    for name in ("state.pt", "critic.pt"):
+        torch.save({"step": 1}, folder / name)
+    return folder
+
+
+def newest(output_dir):
+    said = []
+    return common.newest_whole_checkpoint(output_dir, train_ppo.CHECKPOINT_MEMBERS, said.append), said
+
+
 def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
-    assert train_ppo.newest_checkpoint(tmp_path) is None
+    assert newest(tmp_path) == (None, [])
     for name in ("checkpoint-9", "checkpoint-10", "checkpoint-2", "checkpoint-11.partial", "checkpoint-x"):
-        (tmp_path / name).mkdir()
-    assert train_ppo.newest_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
+        whole_checkpoint(tmp_path / name)
+    assert newest(tmp_path) == (tmp_path / "checkpoint-10", [])
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda folder: (folder / "state.pt").write_bytes((folder / "state.pt").read_bytes()[:-40]),
+     "state.pt is cut short or not a torch file"),
+    (lambda folder: (folder / "critic.pt").write_bytes(b""), "critic.pt is empty"),
+    (lambda folder: shutil.rmtree(folder / "policy"), "no policy"),
+    (lambda folder: (folder / "policy" / "adapter_config.json").write_text("{"), "adapter_config.json does not read"),
+])
+def test_a_broken_newest_checkpoint_is_named_and_passed_over_for_the_one_before(tmp_path, damage, problem):
+    whole_checkpoint(tmp_path / "checkpoint-5")
+    damage(whole_checkpoint(tmp_path / "checkpoint-10"))
+    found, said = newest(tmp_path)
+    assert found == tmp_path / "checkpoint-5"
+    assert len(said) == 1 and said[0].startswith(f"{tmp_path / 'checkpoint-10'}: ") and problem in said[0]
+    damage(tmp_path / "checkpoint-5")
+    assert newest(tmp_path)[0] is None
 
 
 def test_ranks_share_python_and_numpy_seeds_but_sample_with_their_own_torch_seed():

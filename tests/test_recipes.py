@@ -102,7 +102,8 @@ def test_without_a_config_the_cli_demo_keeps_its_defaults():
     dialogue_args, simulator_args, _, training_args, model_args = train_grpo.parse_arguments([])
     assert model_args.use_peft is True and (model_args.lora_r, model_args.lora_alpha) == (16, 32)
     assert training_args.learning_rate == 1e-3 and training_args.lr_scheduler_type == "constant"
-    assert training_args.save_strategy == "no" and training_args.gradient_checkpointing is False
+    assert (training_args.save_strategy, training_args.save_steps) == ("steps", 10)  # for Ctrl-C and resume
+    assert training_args.gradient_checkpointing is False
     assert training_args.per_device_train_batch_size == 8 and training_args.max_steps == 30
     assert training_args.vllm_importance_sampling_mode == "token_truncate"  # also for --use_vllm on the CLI
     assert simulator_args.backend == "rule" and training_args.report_to == []

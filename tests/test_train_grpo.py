@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import common
 import rollout
@@ -161,7 +162,7 @@ def test_a_resume_from_a_folder_without_trainer_state_is_refused_before_the_mode
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail_if_called)
     (tmp_path / "run" / "checkpoint-2").mkdir(parents=True)
     common.mark_run_folder(tmp_path / "run", "train_grpo.py", str(tiny_model_dir))
-    with pytest.raises(SystemExit, match="checkpoint-2: no trainer_state.json there; give a checkpoint folder"):
+    with pytest.raises(common.InputError, match="checkpoint-2: no trainer_state.json; give a checkpoint folder"):
         train_grpo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "run"),
                          "--resume_from_checkpoint", str(tmp_path / "run" / "checkpoint-2")])
 
@@ -186,3 +187,68 @@ def test_a_resume_drops_the_rows_of_the_steps_it_will_play_again_before_the_mode
                          "--resume_from_checkpoint", str(checkpoint)])
     for name in ("transcripts.jsonl", "transcripts.rank1.jsonl"):
         assert [json.loads(line)["step"] for line in (tmp_path / "run" / name).read_text().splitlines()] == [0, 1]
+
+
+def trainer_checkpoint(folder, step):
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (folder / "adapter_model.safetensors").write_bytes(b"")  # made whole or broken by the caller
+    return folder
+
+
+def test_resume_from_checkpoint_true_takes_the_newest_whole_checkpoint_naming_a_broken_one(tiny_model_dir, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """checkpoint-3 was cut short while saving (its weights empty): checkpoint-2 is resumed from, rows of steps 2
+    and later dropped."""
+    import transformers
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail_if_called)
+    run = tmp_path / "run"
+    common.mark_run_folder(run, "train_grpo.py", str(tiny_model_dir))
+    save_file({"w": torch.zeros(2)}, trainer_checkpoint(run / "checkpoint-2", 2) / "adapter_model.safetensors")
+    trainer_checkpoint(run / "checkpoint-3", 3)
+    common.append_json_lines(run / "transcripts.jsonl", [{"step": step} for step in range(4)])
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(run)]
+    with pytest.raises(common.InputError, match="checkpoint-3: adapter_model.safetensors is empty; .* the newest "
+                                                "whole one is .*checkpoint-2, or true for the newest"):
+        train_grpo.main(argv + ["--resume_from_checkpoint", str(run / "checkpoint-3")])
+    with pytest.raises(AssertionError, match="loaded"):
+        train_grpo.main(argv + ["--resume_from_checkpoint", "true"])
+    assert "checkpoint-3: adapter_model.safetensors is empty; passed over" in capsys.readouterr().err
+    assert [json.loads(line)["step"] for line in (run / "transcripts.jsonl").read_text().splitlines()] == [0, 1]
+    (run / "checkpoint-2" / "trainer_state.json").write_text("{")
+    with pytest.raises(common.InputError, match="--resume_from_checkpoint true: no whole checkpoint in"):
+        train_grpo.main(argv + ["--resume_from_checkpoint", "true"])
+
+
+def test_ctrl_c_lets_the_step_finish_saves_its_checkpoint_and_says_how_to_continue(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch, capsys):
+    import os
+    import signal
+
+    run = tmp_path / "run"
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(run), "--max_steps", "3",
+            "--max_turns", "1", "--max_reply_tokens", "4", "--num_generations", "2",
+            "--per_device_train_batch_size", "2"]
+    play = rollout.DialogueRunner.run
+
+    def ctrl_c_then_play(runner, *args):  # Ctrl-C while step 0's dialogues are played
+        os.kill(os.getpid(), signal.SIGINT)
+        return play(runner, *args)
+
+    monkeypatch.setattr(rollout.DialogueRunner, "run", ctrl_c_then_play)
+    monkeypatch.setattr(sys, "argv", ["train_grpo.py", *argv])
+    with pytest.raises(SystemExit) as stopped:
+        train_grpo.main(argv)
+    assert stopped.value.code == 130
+    said = capsys.readouterr().err
+    checkpoint = run / "checkpoint-1"
+    assert "Ctrl-C: stopping once this step is done, with a checkpoint" in said
+    assert f"interrupted after step 0: {checkpoint} holds its state; continue with: python train_grpo.py" in said
+    assert said.rstrip().endswith(f"--resume_from_checkpoint {checkpoint}")
+    assert common.checkpoint_problem(checkpoint, ("trainer_state.json",)) is None
+    assert json.loads((run / "rlver-run.json").read_text())["interrupted"] == [
+        {"after_step": 0, "checkpoint": str(checkpoint)}]
+    assert not (run / "adapter_model.safetensors").exists()  # the finished run's weights: not written
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -532,3 +532,73 @@ def test_whitening_is_over_the_actions_only_to_mean_zero_and_unit_spread():
 def test_the_mean_over_no_actions_is_zero_not_nan():
     """A row with no actions (a dialogue the policy never spoke in) must not turn a loss into nan."""
     assert train_ppo.masked_mean(torch.tensor([[5.0, 7.0]]), torch.zeros(1, 2)).item() == 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Ctrl-C
+# --------------------------------------------------------------------------------------------
+
+def test_ctrl_c_finishes_the_step_saves_it_marks_the_run_and_says_how_to_continue(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch, capsys):
+    import os
+    import signal
+
+    run = tmp_path / "run"
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(run), "--max_steps", "3",
+            "--max_turns", "1", "--max_reply_tokens", "4", "--dialogues_per_profile", "2", "--minibatch_size", "2",
+            "--save_steps", "10"]
+    train = train_ppo.ppo_epochs
+
+    def ctrl_c_then_train(*args):  # Ctrl-C in the middle of step 0's update
+        os.kill(os.getpid(), signal.SIGINT)
+        return train(*args)
+
+    monkeypatch.setattr(train_ppo, "ppo_epochs", ctrl_c_then_train)
+    monkeypatch.setattr(sys, "argv", ["/somewhere/train_ppo.py", *argv])
+    with pytest.raises(SystemExit) as stopped:
+        train_ppo.main(argv)
+    assert stopped.value.code == 130
+    said = capsys.readouterr().err
+    assert "Ctrl-C: stopping once this step is done, with a checkpoint" in said
+    assert (f"interrupted after step 0: {run / 'checkpoint-1'} holds its state; continue with: python train_ppo.py "
+            f"--model_name_or_path {tiny_model_dir}") in said and said.rstrip().endswith("--save_steps 10 --resume")
+    assert json.loads((run / "rlver-run.json").read_text())["interrupted"] == [
+        {"after_step": 0, "checkpoint": str(run / "checkpoint-1")}]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's own again
+    monkeypatch.setattr(train_ppo, "ppo_epochs", train)
+    train_ppo.main(argv + ["--resume"])
+    steps = [json.loads(line)["step"] for line in (run / "transcripts.jsonl").read_text().splitlines()]
+    assert steps == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_second_ctrl_c_quits_at_once_without_saving(tiny_model_dir, tmp_path):
+    """Both Ctrl-Cs arrive while step 0 waits on a simulator that does not answer: no step ends, nothing saved."""
+    import signal
+    import time
+
+    from fake_openai import FakeOpenAIServer
+
+    def respond(body):
+        prompt = body["messages"][-1]["content"]
+        if "start the conversation" in prompt:
+            return "I had a rough week."
+        return {"hang": 60} if "CHANGE" in prompt else "Okay."
+
+    run = tmp_path / "run"
+    with FakeOpenAIServer(respond=respond) as server:
+        process = subprocess.Popen(
+            [sys.executable, str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
+             "--output_dir", str(run), "--max_steps", "5", "--max_turns", "1", "--max_reply_tokens", "4",
+             "--dialogues_per_profile", "2", "--minibatch_size", "2", "--backend", "llm", "--base_url", server.base_url,
+             "--simulator_model", "sim-model", "--simulator_timeout", "90"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while not any("CHANGE" in body["messages"][-1]["content"] for body in server.requests) and time.time() < deadline:
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130 and "Ctrl-C: stopping once this step is done" in stderr
+    assert "Ctrl-C again: quitting now, without saving" in stderr
+    assert "Traceback" not in stderr and not list(run.glob("checkpoint-*"))
