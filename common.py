@@ -5,6 +5,7 @@ and models by name (the packaged offline model, hub ids, a trained LoRA adapter 
 Every script goes through these, so a bad file, line or value gets one line naming it and what to do,
 before anything slow (model loading) starts.
 """
+import argparse
 import contextvars
 import importlib.util
 import json
@@ -175,7 +176,37 @@ def read_config(path, parser, extra_keys: tuple[str, ...] = ()) -> dict:
         hints = [f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, known, 1)) else key
                  for key in unknown]
         raise InputError(f"{path}: unknown option(s): {', '.join(hints)}")
+    check_config_values(path, text, config, parser)
     return config
+
+
+def check_config_values(path, text: str, config: dict, parser) -> None:
+    """Refuse a config value its flag would refuse: the parser converts a flag's text by the option's type,
+    but takes a YAML value as it is (`max_steps: 1.5`, `learning_rate: [0.1]` would reach the trainer). Each
+    value, or each item of a list option, must read as that type (its text: `true` for a boolean) and be one
+    of the option's choices."""
+    actions = {action.dest: action for action in parser._actions}
+    for key, value in config.items():
+        action = actions.get(key)
+        if action is None or value is None or action.type is None:
+            continue
+        line = next((number for number, text_line in enumerate(text.splitlines(), 1)
+                     if text_line.startswith(f"{key}:")), None)
+        where = f"{path}:{line}" if line else str(path)
+        many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
+        if isinstance(value, (list, dict)) != many and not (isinstance(value, dict) and action.type is str):
+            kind = "a list" if many else "one value"
+            raise InputError(f"{where}: {key}: {value!r} is not {kind}")
+        for item in value if isinstance(value, list) else [value]:
+            text_value = str(item).lower() if isinstance(item, bool) else str(item)
+            try:
+                converted = action.type(text_value) if not isinstance(item, dict) else item
+            except (TypeError, ValueError, argparse.ArgumentTypeError):
+                type_name = getattr(action.type, "__name__", "of the option's type")
+                type_name = {"string_to_bool": "true or false"}.get(type_name, type_name)
+                raise InputError(f"{where}: {key}: {item!r} is not {type_name}") from None
+            if action.choices is not None and converted not in action.choices:
+                raise InputError(f"{where}: {key}: {item!r} is not one of {', '.join(map(str, action.choices))}")
 
 
 def config_file(argv: list[str]) -> str | None:

@@ -2,6 +2,7 @@
 against oracles written apart from the code (a file cut at every byte of its last line, rules at the values
 where they turn)."""
 import json
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -343,3 +344,29 @@ def test_an_endpoint_answer_without_usage_is_taken_and_counts_no_tokens():
     assert answers == ["Fine.", "Good."]
     assert (chat.totals.calls, chat.totals.failed, chat.totals.completion_tokens) == (2, 0, 1)
     assert chat.totals.prompt_tokens == 3  # the second answer's: "How are you?"
+
+
+@pytest.mark.parametrize("script", ["train_ppo", "train_grpo"])
+@pytest.mark.parametrize("line, message", [
+    ("max_steps: 1.5", "max_steps: 1.5 is not int"),
+    ("learning_rate: [0.1]", "learning_rate: [0.1] is not one value"),
+    ("max_turns: many", "max_turns: 'many' is not int"),
+    ("backend: cloud", "backend: 'cloud' is not one of rule, llm, local"),
+    ("think: maybe", "think: 'maybe' is not true or false"),
+])
+def test_a_config_value_of_the_wrong_type_is_refused_naming_its_file_and_line(tmp_path, script, line, message):
+    import importlib
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"# mine\n{line}\n")
+    with pytest.raises(common.InputError, match=re.escape(f"{config}:2: {message}")):
+        importlib.import_module(script).parse_arguments(["--config", str(config)])
+
+
+def test_config_values_that_read_as_their_flags_would_are_taken(tmp_path):
+    import train_ppo
+
+    config = tmp_path / "run.yaml"
+    config.write_text("max_steps: 3\nlearning_rate: 1e-4\nthink: true\ngamma: 1\n")  # 1e-4: a string to YAML 1.1
+    args, dialogue_args, _ = train_ppo.parse_arguments(["--config", str(config)])
+    assert (args.max_steps, args.learning_rate, dialogue_args.think, args.gamma) == (3, 1e-4, True, 1.0)
