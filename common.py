@@ -774,6 +774,13 @@ def check_local_model(args) -> None:
         check_model_source(args.model, "model")
 
 
+def check_vllm(use_vllm: bool) -> None:
+    """Refuse --use_vllm, before anything loads, where vLLM is not installed (a GPU machine's package)."""
+    if use_vllm and importlib.util.find_spec("vllm") is None:
+        raise InputError("--use_vllm needs vLLM, which is not installed here: on a GPU machine, pip install -r "
+                         "requirements-gpu.txt; or leave --use_vllm out to generate with transformers")
+
+
 def use_all_cpu_cores() -> None:
     """`accelerate launch` sets OMP_NUM_THREADS=1 even for a single CPU process, which halves the
     demo's speed on 2 cores; one process on a CPU-only machine should use every core it may run on

@@ -662,6 +662,7 @@ def evaluate(args: GeneralEvalArguments) -> dict:
     output_dir = Path(args.output_dir) if args.output_dir else default_output_dir(args)
     common.check_output_folder(output_dir, "output_dir")  # made with the first rows written
     common.check_local_model(args)  # a mistyped --model fails in a second, not after the data loads
+    common.check_vllm(args.use_vllm and not args.model_base_url)
     data = {task: LOADERS[task](args) for task in tasks}  # before the model: bad data fails in seconds
     check_sandbox(data, args.code_memory_mb)
     summary_path = output_dir / "summary.json"

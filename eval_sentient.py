@@ -319,6 +319,8 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
     """Play every unfinished scenario, then summarise the output file."""
     profiles = simulator.load_profiles(args.profiles, require_first_talk=True)[:args.limit]
     simulator.check_backend(profiles, simulator_args)
+    simulator.check_policy_prompts(simulator_args, args.think)
+    common.check_vllm(args.use_vllm and not args.model_base_url)
     output = Path(args.output) if args.output else default_output(args)
     # Its folder is made with the first row written; a file of rows, ours, is resumed (finished_ids).
     common.check_output_file(output, "output", common.starts_with(b'{"'), [args.profiles])

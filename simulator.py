@@ -600,6 +600,17 @@ def rule_backend_refusal(profile, language: str | None) -> str:
             "use --backend llm or local")
 
 
+def check_policy_prompts(args: SimulatorArguments, think: bool) -> None:
+    """Refuse, before any model loads, official policy prompts without the mode asked for (SAGE's has no
+    think variant): found otherwise at the first dialogue, after the model loaded and the openings were made."""
+    official_prompts = args.official("policy_prompts")
+    if official_prompts is not None:
+        try:
+            official_prompts.policy_prompt(think)
+        except official.OfficialRepoError as error:
+            raise common.ArgumentError(str(error)) from None
+
+
 def check_backend(profiles, args: SimulatorArguments) -> None:
     """Refuse, before any model loads, dialogues the chosen backend cannot play."""
     if args.backend == "rule":

@@ -219,6 +219,7 @@ def check_setup(argv: list[str], training_args: GRPOConfig) -> None:
         raise SystemExit(f"--report_to {','.join(missing)}: {' and '.join(missing)} not installed. Install it with "
                          f"pip install {' '.join(missing)}{where}, or pass --report_to none")
     common.check_output_folder(training_args.output_dir, "output_dir")  # not found at the first save
+    common.check_vllm(training_args.use_vllm)
     kept = demo_defaults_kept(argv)
     if kept:
         values = ", ".join(f"{key}={value!r}" for key, value in kept.items())
@@ -445,6 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     check_master_weights(model_path, training_args, model_args.use_peft)
     profiles = {p.id: p for p in simulator.load_profiles(dialogue_args.profiles)}
     simulator.check_backend(profiles.values(), simulator_args)
+    simulator.check_policy_prompts(simulator_args, dialogue_args.think)
     check_profile_count(len(profiles), dialogue_args.profiles, training_args)
     common.check_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path,
                             bool(training_args.resume_from_checkpoint), "--resume_from_checkpoint")

@@ -745,12 +745,14 @@ def check_tracker(report_to: str) -> None:
 def check_inputs(args: PPOArguments, dialogue_args, simulator_args) -> tuple[str, list]:
     """(the policy's folder, the profiles), after refusing what would fail only once the models loaded."""
     check_tracker(args.report_to)
+    common.check_vllm(args.use_vllm)
     common.check_output_folder(args.output_dir, "output_dir")  # else found at the first step's writes, the step lost
     policy_path = common.resolve_model(args.model_name_or_path, "model_name_or_path")
     if args.critic_model_name_or_path:
         common.check_model_source(args.critic_model_name_or_path, "critic_model_name_or_path")
     profiles = simulator.load_profiles(dialogue_args.profiles)
     simulator.check_backend(profiles, simulator_args)
+    simulator.check_policy_prompts(simulator_args, dialogue_args.think)
     return policy_path, profiles
 
 

@@ -15,6 +15,8 @@ import rollout
 import simulator
 import train_grpo
 import train_ppo
+from test_official_prompts import REPO as OFFICIAL_REPO
+from test_official_prompts import needs_repo
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINERS = {"grpo": train_grpo, "ppo": train_ppo}
@@ -298,3 +300,42 @@ def test_a_trainer_continues_its_own_run_only_when_asked_and_only_with_its_model
     with pytest.raises(common.InputError, match=f"{resume[0]}: .* holds a run of another/model, not of "):
         trainer_main(script)(argv + resume)
     assert (output_dir / "transcripts.jsonl").read_text() == '{"step": 0}\n'
+
+
+@needs_repo
+@pytest.mark.parametrize("script", ["train_ppo.py", "train_grpo.py", "eval_sentient.py"])
+def test_think_with_sages_policy_prompt_is_refused_before_any_model_loads(tmp_path, model_folder, script):
+    """SAGE's policy prompt has no think variant: refused at start-up, not at the first dialogue."""
+    import eval_sentient
+
+    official = ["--policy_prompts", "sage", "--official_repo", str(OFFICIAL_REPO), "--think"]
+    with pytest.raises(common.ArgumentError, match="--policy_prompts sage has no think-mode system prompt"):
+        if script == "eval_sentient.py":
+            eval_sentient.evaluate(eval_sentient.EvalArguments(model=str(model_folder), think=True,
+                                                               output=str(tmp_path / "r.jsonl")),
+                                   simulator.SimulatorArguments(policy_prompts="sage", official_repo=str(OFFICIAL_REPO)))
+        else:
+            trainer_main(script)(["--model_name_or_path", str(model_folder), "--output_dir", str(tmp_path / "run"),
+                                  *official])
+    assert not (tmp_path / "run").exists() and not (tmp_path / "r.jsonl").exists()
+
+
+@pytest.mark.parametrize("script", ["train_ppo.py", "train_grpo.py", "eval_sentient.py", "eval_general.py"])
+def test_use_vllm_without_vllm_is_one_line_before_anything_loads(tmp_path, model_folder, script):
+    import importlib.util
+
+    import eval_general
+    import eval_sentient
+
+    assert importlib.util.find_spec("vllm") is None  # as on a CPU machine
+    with pytest.raises(common.InputError, match="--use_vllm needs vLLM, which is not installed here"):
+        if script == "eval_sentient.py":
+            eval_sentient.evaluate(eval_sentient.EvalArguments(model=str(model_folder), use_vllm=True,
+                                                               output=str(tmp_path / "r.jsonl")),
+                                   simulator.SimulatorArguments())
+        elif script == "eval_general.py":
+            eval_general.evaluate(eval_general.GeneralEvalArguments(model=str(model_folder), use_vllm=True,
+                                                                    output_dir=str(tmp_path / "general")))
+        else:
+            trainer_main(script)(["--model_name_or_path", str(model_folder), "--output_dir", str(tmp_path / "run"),
+                                  "--use_vllm"])
