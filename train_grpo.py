@@ -219,7 +219,6 @@ def check_setup(argv: list[str], training_args: GRPOConfig) -> None:
         raise SystemExit(f"--report_to {','.join(missing)}: {' and '.join(missing)} not installed. Install it with "
                          f"pip install {' '.join(missing)}{where}, or pass --report_to none")
     common.check_output_folder(training_args.output_dir, "output_dir")  # not found at the first save
-    common.check_vllm(training_args.use_vllm)
     kept = demo_defaults_kept(argv)
     if kept:
         values = ", ".join(f"{key}={value!r}" for key, value in kept.items())
@@ -440,6 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     if dialogue_args.think and training_args.output_dir == DEMO_DEFAULTS["output_dir"]:
         training_args.output_dir += "-think"  # the two demo runs side by side
     check_setup(argv, training_args)  # before anything slow
+    common.check_vllm(training_args.use_vllm)
     # Every input that can be checked without a model, before one loads (or the simulator's endpoint is asked).
     model_path = common.resolve_model(model_args.model_name_or_path, "model_name_or_path")
     training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
