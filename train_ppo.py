@@ -83,6 +83,7 @@ row in a micro-batch adds its activations and output-layer chunk (~16 GB at 1638
 recipe runs micro-batches of one dialogue; --kl_coef > 0 would add a frozen bf16 reference, 15.2 GB.
 """
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -574,6 +575,9 @@ def save_checkpoint(folder: Path, step: int, model, optimizer, tokenizer, accele
     """Called on every rank: under DeepSpeed each rank holds a shard of the optimizer, which the engine
     saves (with every rank's RNG) into deepspeed/. Elsewhere the optimizer is whole on rank 0."""
     partial = folder.with_name(folder.name + ".partial")
+    if accelerator.is_main_process and partial.exists():
+        shutil.rmtree(partial)  # a save of this run killed midway
+    accelerator.wait_for_everyone()
     networks = accelerator.unwrap_model(model)
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     if deepspeed:
@@ -588,6 +592,8 @@ def save_checkpoint(folder: Path, step: int, model, optimizer, tokenizer, accele
                    partial / "state.pt")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if folder.exists():
+            shutil.rmtree(folder)  # a broken checkpoint of this run, passed over when it resumed
         partial.rename(folder)  # a checkpoint folder appears only once complete
 
 

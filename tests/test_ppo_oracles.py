@@ -698,3 +698,18 @@ def test_an_update_descends_both_losses_each_network_its_own(accelerator):
     after = stats_by_hand(networks, batch, args)
     assert after["ppo/policy_loss"] < before["ppo/policy_loss"] - 1e-3
     assert after["ppo/value_loss"] < before["ppo/value_loss"] - 1e-3
+
+
+def test_a_save_replaces_a_broken_checkpoint_and_a_killed_saves_leftovers(tmp_path, accelerator, byte_tokenizer):
+    """Resumed from checkpoint-1 past a broken checkpoint-2 (passed over), the run saves checkpoint-2 again:
+    the broken folder and a half-written .partial of an earlier save make way for a whole one."""
+    networks = tiny_networks()
+    optimizer = torch.optim.SGD(networks.parameters(), lr=0.1)
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "state.pt").write_bytes(b"cut")
+    (tmp_path / "checkpoint-2.partial" / "policy").mkdir(parents=True)
+    (tmp_path / "checkpoint-2.partial" / "stale.bin").write_bytes(b"x")
+    train_ppo.save_checkpoint(tmp_path / "checkpoint-2", 2, networks, optimizer, byte_tokenizer, accelerator)
+    assert common.checkpoint_problem(tmp_path / "checkpoint-2", train_ppo.CHECKPOINT_MEMBERS) is None
+    assert not (tmp_path / "checkpoint-2.partial").exists() and not (tmp_path / "checkpoint-2" / "stale.bin").exists()
+    assert torch.load(tmp_path / "checkpoint-2" / "state.pt", weights_only=False)["step"] == 2
