@@ -358,14 +358,14 @@ def note_interruption(folder, step: int, checkpoint) -> None:
 
 
 def model_record(model: str, base_url: str | None = None) -> dict:
-    """Which model made a result: an endpoint's model name and URL; a hub id or the packaged model by its
+    """Which model made a result: an endpoint's served model name; a hub id or the packaged model by its
     name; a local folder by its path and a fingerprint of its files (each one's name, size and first and
     last MiB: retrained weights change it, and it reads MBs, not a 15 GB model), an adapter also by the
     base model its config names."""
     import hashlib
 
-    if base_url:
-        return {"model": model, "model_base_url": base_url}
+    if base_url:  # the served name: a restarted server on another address serves the same model
+        return {"model": model, "served": True}
     folder = Path(model)
     if not folder.is_dir():
         return {"model": model}

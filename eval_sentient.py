@@ -214,7 +214,7 @@ def run_record(args: EvalArguments, simulator_args: simulator.SimulatorArguments
     """What every result row records as its "made_by": the tested model, and the settings that shape a score."""
     settings = ("think", "max_reply_tokens", "max_think_tokens", "max_dialogue_tokens", "temperature", "top_p", "seed")
     simulator_settings = {"simulator": "backend", "simulator_variant": "variant", "simulator_model": "simulator_model",
-                          "simulator_base_url": "base_url", "change_bound": "change_bound",
+                          "change_bound": "change_bound",
                           "simulator_language": "language", "simulator_prompts": "simulator_prompts",
                           "policy_prompts": "policy_prompts"}
     return {**common.model_record(args.model, args.model_base_url),
@@ -222,14 +222,17 @@ def run_record(args: EvalArguments, simulator_args: simulator.SimulatorArguments
             **{key: getattr(simulator_args, option) for key, option in simulator_settings.items()}}
 
 
-def finished_ids(path: Path, made_by: dict) -> set[str]:
-    """Scenarios already in our output (none when it does not exist yet), refused when another model or
-    other settings made them."""
-    if not path.is_file():
-        return set()
-    rows = list(result_rows(path, skip_cut_last_line=True))
+def finished_ids(path: Path, made_by: dict, profiles: list, profiles_file: str) -> set[str]:
+    """Scenarios already in our output (none when it does not exist yet), refused when they are not among
+    `profiles` or another model or other settings made them."""
+    rows = list(result_rows(path, skip_cut_last_line=True)) if path.is_file() else []
+    done = {row["id"] for row in rows}
+    unknown = done - {p.id for p in profiles}
+    if unknown:
+        raise ResultFileError(f"{path} holds results for scenarios not in {profiles_file} (e.g. "
+                              f"{sorted(unknown)[0]}); choose another --output")
     common.check_made_by(path, rows, made_by)
-    return {row["id"] for row in rows}
+    return done
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
@@ -325,11 +328,7 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
     # Its folder is made with the first row written; a file of rows, ours, is resumed (finished_ids).
     common.check_output_file(output, "output", common.starts_with(b'{"'), [args.profiles])
     made_by = run_record(args, simulator_args)
-    done = finished_ids(output, made_by)
-    unknown = done - {p.id for p in profiles}
-    if unknown:
-        raise ResultFileError(f"{output} holds results for scenarios not in {args.profiles} (e.g. "
-                              f"{sorted(unknown)[0]}); choose another --output")
+    done = finished_ids(output, made_by, profiles, args.profiles)
     if len(done) < len(profiles):
         common.check_local_model(args)
         chat = simulator.make_chat(simulator_args)
@@ -345,7 +344,8 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
                 else:
                     play_local(args, simulator_args, chat, profiles, done, output, progress)
             except KeyboardInterrupt:  # every finished scenario's row is in the output already
-                common.exit_interrupted(f"{len(finished_ids(output, made_by))} of {len(profiles)} scenarios are in "
+                finished = finished_ids(output, made_by, profiles, args.profiles)
+                common.exit_interrupted(f"{len(finished)} of {len(profiles)} scenarios are in "
                                         f"{output}; run the same command again to play the rest")
     summary = summarize(read_results(output, skip_cut_last_line=True), args.bootstrap_samples)
     summary.update(results=str(output), made_by=made_by)

@@ -467,9 +467,13 @@ def test_a_humaneval_run_writes_rows_and_a_summary_and_resumes(tiny_model_dir, t
     again = [json.loads(line) for line in (out / "humaneval.jsonl").read_text().splitlines()]
     assert again == rows
     # A smaller --limit over the same folder summarises just those items.
-    smaller = run_eval("--model", str(tiny_model_dir), "--tasks", "humaneval", "--limit", "1", "--output_dir", str(out))
+    smaller = run_eval(*args[:4], "--limit", "1", *args[6:])
     assert smaller.returncode == 0, smaller.stderr
     assert json.loads((out / "summary.json").read_text())["humaneval"]["items"] == 1
+    # Another budget would add rows of other settings to these: refused, naming it, nothing written.
+    other = run_eval("--model", str(tiny_model_dir), "--tasks", "humaneval", "--limit", "3", "--output_dir", str(out))
+    assert other.returncode == 1 and "max_new_tokens=8; this run has max_new_tokens=1024" in other.stderr
+    assert [json.loads(line) for line in (out / "humaneval.jsonl").read_text().splitlines()] == rows
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import asyncio
 import json
 import math
 import re
+import types
 from html.parser import HTMLParser
 
 import numpy as np
@@ -693,7 +694,7 @@ def test_the_benchmark_against_an_endpoint_seeds_each_scenario_by_its_position(t
         asyncio.run(eval_sentient.play_endpoint(args, simulator.SimulatorArguments(), None, profiles,
                                                 {profiles[1].id}, tmp_path / "r.jsonl", rows.extend))
     assert sorted(row["id"] for row in rows) == sorted([profiles[0].id, profiles[2].id])
-    made_by = {"model": "tested", "model_base_url": server.base_url, "seed": 11, "simulator": "rule"}
+    made_by = {"model": "tested", "served": True, "seed": 11, "simulator": "rule"}
     assert all(row["made_by"].items() >= made_by.items() for row in rows)
     opening_seed = {body["messages"][1]["content"]: body["seed"] for body in server.requests}
     assert opening_seed == {profiles[0].first_talk: 11, profiles[2].first_talk: 13}
@@ -906,15 +907,16 @@ def test_a_benchmark_killed_mid_row_resumes_from_its_whole_rows(tmp_path, capsys
     path = tmp_path / "results.jsonl"
     whole = {"id": "a", "emo_point": 40, "history": [], "made_by": {"model": "m"}}
     path.write_text(json.dumps(whole) + "\n" + '{"id": "b", "emo_po')
-    assert eval_sentient.finished_ids(path, {"model": "m"}) == {"a"}
-    assert eval_sentient.finished_ids(tmp_path / "none.jsonl", {"model": "m"}) == set()
+    profiles = [types.SimpleNamespace(id=id_) for id_ in ("a", "b")]
+    assert eval_sentient.finished_ids(path, {"model": "m"}, profiles, "bench.jsonl") == {"a"}
+    assert eval_sentient.finished_ids(tmp_path / "none.jsonl", {"model": "m"}, profiles, "bench.jsonl") == set()
 
 
 def played_rows(path, args, simulator_args=None):
     """A result file of two rows that `args` made."""
     made_by = eval_sentient.run_record(args, simulator_args or simulator.SimulatorArguments())
     return write_jsonl(path, [{"id": id_, "emo_point": 50, "history": [], "made_by": made_by}
-                              for id_ in ("en-test-01", "en-test-02")])
+                              for id_ in ("en-bench-01", "en-bench-02")])
 
 
 @pytest.mark.parametrize("change, differ", [
@@ -942,11 +944,11 @@ def test_a_local_models_record_changes_with_its_weights_and_names_an_adapters_ba
     assert first["model"] == str(folder.resolve())
     (folder / "adapter_config.json").write_text('{"base_model_name_or_path": "Qwen/Qwen2.5-7B-Instruct"}')
     assert common.model_record(str(folder))["base_model"] == "Qwen/Qwen2.5-7B-Instruct"
-    assert common.model_record("m", "http://127.0.0.1:9/v1") == {"model": "m", "model_base_url": "http://127.0.0.1:9/v1"}
+    assert common.model_record("m", "http://127.0.0.1:9/v1") == {"model": "m", "served": True}
 
 
 @pytest.mark.parametrize("content, message", [
-    ('{"id": "en-test-01", "emo_point": 50, "history": []}\n', "row 1 does not say which model and settings made it"),
+    ('{"id": "en-bench-01", "emo_point": 50, "history": []}\n', "row 1 does not say which model and settings made it"),
     ("# my notes\n", "a file this script did not write"),
 ])
 def test_a_benchmark_output_not_made_by_a_recorded_run_is_refused(tmp_path, content, message):
