@@ -111,7 +111,7 @@ class TimedGenerator:
 
 def load_policy(name: str):
     if name != "tiny":
-        path = common.resolve_model(name)
+        path = common.resolve_model(name, "policy")
         return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(common.resolve_model(common.PACKAGED_MODEL))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -144,7 +144,7 @@ def play(args, model, tokenizer, base_url: str, concurrency: int, starts) -> dic
             "turn_latencies": turn_latencies, "ideal": generate.seconds + sum(slowest), "totals": chat.totals}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dialogues", type=int, default=32)
     parser.add_argument("--turns", type=int, default=4)
@@ -154,9 +154,19 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=rollout.DialogueArguments.simulator_concurrency,
                         help="our rollout's simulator concurrency (default: the scripts' default)")
     parser.add_argument("--policy", default="tiny", help="'tiny' (random, 2 layers) or a model path / packaged name")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    bad = [f"--{name} must be {what}" for name, value, what in (
+        ("dialogues", args.dialogues, "at least 1"), ("turns", args.turns, "at least 1"),
+        ("reply_tokens", args.reply_tokens, "at least 1"), ("concurrency", args.concurrency, "at least 1"),
+        ("median", args.median, "a finite number above 0"), ("sigma", args.sigma, "a finite number, 0 or more"))
+        if not math.isfinite(value) or value < (0 if name == "sigma" else 1e-9 if name == "median" else 1)]
+    if bad:
+        parser.error("; ".join(bad))
     common.use_all_cpu_cores()
-    model, tokenizer = load_policy(args.policy)
+    try:
+        model, tokenizer = load_policy(args.policy)
+    except common.InputError as error:
+        parser.exit(1, f"error: {error}\n")
     profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES)
     chosen = [profiles[i % len(profiles)] for i in range(args.dialogues)]
     openings = {p.id: f"Hi. I need to talk about something that happened to me ({p.id})." for p in chosen}

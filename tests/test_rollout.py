@@ -1,5 +1,6 @@
 """Token-level multi-turn rollouts: masks, think handling, budgets, ordering, isolation."""
 import json
+from pathlib import Path
 
 import pytest
 from fake_openai import FakeOpenAIServer
@@ -584,3 +585,17 @@ def test_a_dialogue_goes_on_exactly_while_the_next_user_message_and_a_minimal_tu
     runner.close()
     assert len(play(needed).reply_texts) == 2
     assert play(needed - 1).end_reason == "token_budget" and len(play(needed - 1).reply_texts) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dialogues", "0"], "--dialogues must be at least 1"),
+    (["--median", "nan", "--sigma", "-1"], "--median must be a finite number above 0; --sigma must be a finite"),
+    (["--policy", "/no/such/model"], "error: --policy /no/such/model"),
+])
+def test_the_rollout_benchmark_checks_its_options_before_it_loads_anything(argv, message, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import rollout_bench
+
+    with pytest.raises(SystemExit) as stopped:
+        rollout_bench.main(argv)
+    assert stopped.value.code in (1, 2) and message in capsys.readouterr().err
