@@ -267,7 +267,9 @@ CUT = '{"id": "bench-1", "emo_po'
 def test_a_sentient_run_resumes_onto_a_last_line_without_newline_and_keeps_every_row(last_line, tmp_path, capsys):
     profiles = benchmark_profiles(tmp_path / "bench.jsonl", count=3)
     output = tmp_path / "r.jsonl"
-    first = json.dumps(result_row("bench-0"))
+    made_by = eval_sentient.run_record(eval_sentient.EvalArguments(model="tested", model_base_url="http://elsewhere"),
+                                       simulator.SimulatorArguments())  # an earlier run's, at another address
+    first = json.dumps({**result_row("bench-0"), "made_by": made_by})
     output.write_text(first if last_line == "whole" else f"{first}\n{CUT}", encoding="utf-8")
     with FakeOpenAIServer(models=["tested"], default="That sounds hard. Tell me more about Dana.") as model:
         eval_sentient.main(["--model", "tested", "--model_base_url", model.base_url, "--profiles", str(profiles),
@@ -283,7 +285,10 @@ def test_a_sentient_run_resumes_onto_a_last_line_without_newline_and_keeps_every
 def test_a_general_run_resumes_onto_a_last_line_without_newline_and_keeps_every_row(last_line, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    first = json.dumps({"id": "HumanEval/0", "prompt": "p", "output": "o", "verdict": {"passed": False, "result": "x"}})
+    made_by = eval_general.run_record("humaneval", eval_general.GeneralEvalArguments(
+        model="tested", model_base_url="http://elsewhere", tasks="humaneval", limit=2))
+    first = json.dumps({"id": "HumanEval/0", "prompt": "p", "output": "o", "verdict": {"passed": False, "result": "x"},
+                        "made_by": made_by})
     (out / "humaneval.jsonl").write_text(first if last_line == "whole" else f'{first}\n{{"id": "HumanEval/1", "ver')
     with FakeOpenAIServer(models=["tested"], default="```python\ndef f():\n    pass\n```") as model:
         eval_general.main(["--model", "tested", "--model_base_url", model.base_url, "--tasks", "humaneval",
