@@ -329,6 +329,9 @@ def compare_report(path_a: Path, path_b: Path) -> str:
     return page(f"Compare: {path_a} vs {path_b}", sections)
 
 
+SCREENSHOT_SOFTWARE = "RLVER report.py"  # in each screenshot's PNG text
+
+
 def screenshot(html_path: Path, png_path: Path, width: int = 1280, height: int = 1600) -> None:
     """Render the page with headless Chromium (Debian package `chromium`) into a PNG."""
     browser = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")
@@ -339,6 +342,11 @@ def screenshot(html_path: Path, png_path: Path, width: int = 1280, height: int =
                     f"--window-size={width},{height}", f"--screenshot={png_path.resolve()}",
                     html_path.resolve().as_uri()],
                    check=True, capture_output=True, timeout=120)
+    from PIL import Image, PngImagePlugin
+
+    image, marked = Image.open(png_path), PngImagePlugin.PngInfo()
+    marked.add_text("Software", SCREENSHOT_SOFTWARE)  # so that a later --screenshot may replace it
+    image.save(png_path, pnginfo=marked)
 
 
 def main(argv=None) -> None:
@@ -363,7 +371,8 @@ def main(argv=None) -> None:
         # Checked before the runs are read; the folder is made when writing.
         common.check_output_file(out, "out", common.starts_with(GENERATOR.encode()), inputs)
         if args.screenshot:
-            common.check_output_file(args.screenshot, "screenshot", inputs=inputs)  # a PNG names no maker
+            common.check_output_file(args.screenshot, "screenshot", common.starts_with(SCREENSHOT_SOFTWARE.encode(), 8192),
+                                     inputs)
         text = compare_report(*args.compare) if args.compare else run_report(args.run)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text, encoding="utf-8")

@@ -1,4 +1,5 @@
 """The HTML report: every dialogue on the page, trajectories as in the data, model text inert."""
+import os
 import re
 import shutil
 from html.parser import HTMLParser
@@ -357,3 +358,35 @@ def test_rows_of_the_official_format_without_steps_are_read(tmp_path):
     row["history"][1].pop("think")
     page = Page(report.run_report(write_jsonl(tmp_path / "sage.jsonl", [row])))
     assert page.dialogues[0]["trajectories"] == [[40, 50]] and "step" not in page.dialogues[0]["text"]
+
+
+FAKE_CHROMIUM = """#!{python}
+import sys
+from PIL import Image
+# headless Chromium's contract as report.py uses it: --screenshot=PATH, the page's URL last
+path = next(arg.split("=", 1)[1] for arg in sys.argv if arg.startswith("--screenshot="))
+assert sys.argv[-1].startswith("file://")
+Image.new("RGB", (8, 8), "white").save(path)
+"""
+
+
+def test_a_screenshot_names_its_maker_so_that_only_its_own_is_ever_replaced(training_run, tmp_path, monkeypatch):
+    """Chromium is faked at the process edge (a program writing a PNG where it is told to): what is tested is
+    report.py's side: the PNG marked as its own, replaced on a second run, someone else's PNG refused."""
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "chromium").write_text(FAKE_CHROMIUM.format(python=sys.executable))
+    (bin_dir / "chromium").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    folder, _ = training_run
+    png = tmp_path / "shot.png"
+    report.main([str(folder), "--out", str(tmp_path / "r.html"), "--screenshot", str(png)])
+    report.main([str(folder), "--out", str(tmp_path / "r.html"), "--screenshot", str(png)])
+    assert report.SCREENSHOT_SOFTWARE.encode() in png.read_bytes()[:8192]
+    theirs = tmp_path / "theirs.png"
+    theirs.write_bytes(b"\x89PNG\r\n\x1a\n someone's picture")
+    with pytest.raises(SystemExit, match="a file this script did not write"):
+        report.main([str(folder), "--out", str(tmp_path / "r.html"), "--screenshot", str(theirs)])
+    assert theirs.read_bytes().endswith(b"someone's picture")

@@ -602,3 +602,4 @@ def test_a_second_ctrl_c_quits_at_once_without_saving(tiny_model_dir, tmp_path):
     assert process.returncode == 130 and "Ctrl-C: stopping once this step is done" in stderr
     assert "Ctrl-C again: quitting now, without saving" in stderr
     assert "Traceback" not in stderr and not list(run.glob("checkpoint-*"))
+
