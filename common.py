@@ -11,8 +11,10 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import socket
 import sys
+import threading
 import uuid
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -282,9 +284,6 @@ def check_output_file(path, option: str, made_here=None, inputs=()) -> None:
 def exit_interrupted(message: str):
     """Ctrl-C outside a training step: one line saying what was kept and how to go on, exit status 130. A
     Ctrl-C while it is said quits at once (the default action: no traceback)."""
-    import signal
-    import threading
-
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     print(f"\ninterrupted: {message}", file=sys.stderr, flush=True)
@@ -301,16 +300,11 @@ class StopRequest:
         self.requested, self.show, self.previous = False, show, None
 
     def __enter__(self):
-        import signal
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGINT, self.handle)
         return self
 
     def __exit__(self, *exc):
-        import signal
-
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
 
