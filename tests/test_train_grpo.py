@@ -128,7 +128,7 @@ def test_a_run_killed_mid_step_resumes_without_losing_or_doubling_a_step(tiny_mo
 
     output_dir = tmp_path / "run"
     command = [sys.executable, str(REPO / "train_grpo.py"), "--model_name_or_path", str(tiny_model_dir),
-               "--output_dir", str(output_dir), "--max_turns", "2", "--max_reply_tokens", "6",
+               "--output_dir", str(output_dir), "--max_turns", "1", "--max_reply_tokens", "6",
                "--num_generations", "2", "--per_device_train_batch_size", "4", "--save_strategy", "steps",
                "--save_steps", "2"]
     process = subprocess.Popen(command + ["--max_steps", "50"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
