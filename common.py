@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -316,7 +317,7 @@ class StopRequest:
         self.requested = True
         if self.show:
             print("\nCtrl-C: stopping once this step is done, with a checkpoint (Ctrl-C again quits now, without "
-                  "saving)", file=sys.stderr, flush=True)
+                  f"saving){launcher_deadline()}", file=sys.stderr, flush=True)
 
     def stop_agreed(self) -> bool:
         """Whether any rank was asked to stop; every rank calls it at the same point of each step."""
@@ -326,6 +327,17 @@ class StopRequest:
         if PartialState().num_processes == 1:
             return self.requested
         return any(gather_object([self.requested]))
+
+
+def launcher_deadline() -> str:
+    """Under torchrun or accelerate launch with several processes (torch's elastic agent: TORCHELASTIC_RUN_ID),
+    the launcher passes its Ctrl-C on to the processes and kills them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds
+    later (30 unless set): a step that ends later saves nothing. Said with the Ctrl-C notice; "" elsewhere."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ""
+    seconds = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+    return (f"; the launcher kills the processes {seconds} s after its Ctrl-C: for longer steps, launch with "
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT set higher")
 
 
 def resume_command(option: str, value: str | None = None) -> str:
@@ -486,6 +498,16 @@ def starts_with(marker: bytes, size: int = 4096):
     return made_here
 
 
+def check_process_count(state) -> None:
+    """Refuse a launch whose processes do not see each other: torchrun (or any launcher setting WORLD_SIZE)
+    on a machine without GPUs starts processes that accelerate, unless told to use the CPU, takes for single
+    ones; each would train alone and write the same files. `state`: an `Accelerator` or `PartialState`."""
+    launched = int(os.environ.get("WORLD_SIZE", state.num_processes))
+    if launched != state.num_processes:
+        raise InputError(f"launched as {launched} processes (WORLD_SIZE), but each sees itself alone: without GPUs, "
+                         "set ACCELERATE_USE_CPU=1 for the processes to train together")
+
+
 def check_shared_folder(folder, accelerator, option: str = "output_dir") -> None:
     """Refuse, on every rank at once, an output folder that some rank does not share with the main process:
     on several nodes it must be on a filesystem all of them mount (NFS, Lustre, ...), as checkpoints hold
@@ -550,11 +572,8 @@ class CallStats:
 _CURRENT_CALL = contextvars.ContextVar("current_simulator_call")  # the CallStats an HTTP attempt counts into
 
 
-async def _count_attempt(_request) -> None:
-    """httpx request hook: every attempt the SDK sends, retries included, in the task making the call."""
-    stats = _CURRENT_CALL.get(None)
-    if stats is not None:
-        stats.attempts += 1
+CHECK_TIMEOUT = 20.0  # seconds a start-up model listing may take (an endpoint that never answers fails then)
+RETRY_NOTICE_EVERY = 60.0  # seconds between two notices of a client's retries
 
 
 class ChatClient:
@@ -570,19 +589,39 @@ class ChatClient:
         api_key = os.environ.get(api_key_env) or "EMPTY"
         # The SDK retries connection errors, timeouts, 429 (after its Retry-After) and 5xx, at most
         # max_retries times, with exponential back-off and jitter; the hook counts its attempts.
-        http_client = openai.DefaultAsyncHttpxClient(event_hooks={"request": [_count_attempt]})
+        http_client = openai.DefaultAsyncHttpxClient(event_hooks={"request": [self._count_attempt]})
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries,
                                          http_client=http_client)
         self.base_url, self.model, self.role = base_url, model, role  # role names the endpoint in errors
         self.temperature, self.max_tokens = temperature, max_tokens
+        self.timeout, self.max_retries = timeout, max_retries
         self.totals = CallStats()
+        self.retry_said_at = -math.inf  # when a retry was last said (time.monotonic)
+
+    async def _count_attempt(self, _request) -> None:
+        """httpx request hook: every attempt the SDK sends, retries included, in the task making the call. A
+        retry is said (at most once a minute): an endpoint that never answers would otherwise leave the script
+        silent for timeout x (max_retries + 1) seconds."""
+        stats = _CURRENT_CALL.get(None)
+        if stats is None:
+            return
+        stats.attempts += 1
+        if stats.attempts > 1 and time.monotonic() - self.retry_said_at >= RETRY_NOTICE_EVERY:
+            self.retry_said_at = time.monotonic()
+            print(f"the {self.role} endpoint {self.base_url} failed a call or left it unanswered for "
+                  f"{self.timeout:g} s; retrying (attempt {stats.attempts} of {self.max_retries + 1})",
+                  file=sys.stderr, flush=True)
 
     async def check(self) -> None:
         """Fail early, with what to check, when the endpoint cannot serve this model."""
         import openai
 
+        seconds = min(self.timeout, CHECK_TIMEOUT)
         try:  # one retry, not the calls' back-off: a start-up check should answer in a second or two
-            models = [m.id async for m in self.client.with_options(max_retries=1).models.list()]
+            models = [m.id async for m in self.client.with_options(max_retries=1, timeout=seconds).models.list()]
+        except openai.APITimeoutError:
+            raise EndpointError(f"the {self.role} endpoint {self.base_url} did not answer a model listing in "
+                                f"{seconds:g} s, twice; check that the server is up and not overloaded") from None
         except openai.APIConnectionError as error:
             raise EndpointError(f"cannot reach the {self.role} endpoint {self.base_url} ({error}); "
                                 "check the base URL and that the server is running") from None

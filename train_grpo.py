@@ -448,6 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     simulator.check_backend(profiles.values(), simulator_args)
     simulator.check_policy_prompts(simulator_args, dialogue_args.think)
     check_profile_count(len(profiles), dialogue_args.profiles, training_args)
+    common.check_process_count(training_args.distributed_state)
     common.check_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path,
                             bool(training_args.resume_from_checkpoint), "--resume_from_checkpoint")
     # Several nodes: checkpoints hold every rank's DeepSpeed shard and resume reads them, so one folder for all.

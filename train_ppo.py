@@ -718,11 +718,12 @@ def main(argv=None) -> None:
                        "step_time": time.perf_counter() - started, "rollout_time": rollout_time}
             log_step(metrics, dialogues, step, transcripts, metrics_file, args, accelerator)
             bar.advance(len(dialogues), metrics.get("emotion/final_mean", float("nan")))
-            if (step + 1) % args.save_steps == 0:
+            saved = (step + 1) % args.save_steps == 0
+            if saved:
                 save_checkpoint(output_dir / f"checkpoint-{step + 1}", step + 1, model, optimizer, tokenizer,
                                 accelerator)
             if stop.stop_agreed() and step + 1 < args.max_steps:
-                stop_interrupted(output_dir, step + 1, model, optimizer, tokenizer, accelerator)
+                stop_interrupted(output_dir, step + 1, saved, model, optimizer, tokenizer, accelerator)
 
     if accelerator.is_main_process:
         save_policy(output_dir, networks, tokenizer)
@@ -764,6 +765,7 @@ def check_inputs(args: PPOArguments, dialogue_args, simulator_args) -> tuple[str
 
 def check_launch(args: PPOArguments, accelerator) -> None:
     """Refuse the launches this loop cannot run, before any model loads."""
+    common.check_process_count(accelerator)
     if args.use_vllm and accelerator.num_processes > 1:
         raise SystemExit("--use_vllm in train_ppo.py supports a single training process (the weights are pushed "
                          "from one); with several, generate with transformers (the default)")
@@ -862,10 +864,11 @@ def stop_if_simulators_failed(dialogues, step: int, dialogue_args, output_dir: P
         raise SystemExit(f"stopped at step {step} ({saved}): {error}") from None
 
 
-def stop_interrupted(output_dir: Path, step: int, model, optimizer, tokenizer, accelerator) -> None:
-    """Ctrl-C (common.StopRequest): save the state before `step` unless saved already, mark the run, exit 130."""
+def stop_interrupted(output_dir: Path, step: int, saved: bool, model, optimizer, tokenizer, accelerator) -> None:
+    """Ctrl-C (common.StopRequest): save the state before `step` unless this step `saved` it, mark the run,
+    exit 130. Not decided by the folder's presence: a broken checkpoint passed over at resume may hold the name."""
     folder = output_dir / f"checkpoint-{step}"
-    if not folder.exists():
+    if not saved:
         save_checkpoint(folder, step, model, optimizer, tokenizer, accelerator)
     if accelerator.is_main_process:
         common.note_interruption(output_dir, step - 1, folder)

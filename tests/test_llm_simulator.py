@@ -257,6 +257,37 @@ def test_unreachable_endpoint_fails_at_check_with_what_to_do():
         run(chat.check())
 
 
+def test_an_endpoint_that_never_answers_fails_at_check_within_its_bound(monkeypatch):
+    """A server that accepts connections and never answers (a hung process, a wrong port behind a proxy): the
+    start-up check gives up after two tries of CHECK_TIMEOUT, not the calls' timeout x retries (8 minutes)."""
+    import socket
+
+    import common
+
+    monkeypatch.setattr(common, "CHECK_TIMEOUT", 0.3)
+    with socket.socket() as listener:  # the kernel completes connections to it; nothing ever reads or answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        chat = ChatClient(f"http://127.0.0.1:{listener.getsockname()[1]}/v1", "sim-model", max_retries=3, timeout=120)
+        started = time.monotonic()
+        with pytest.raises(EndpointError, match=r"did not answer a model listing in 0\.3 s, twice; check that"):
+            run(chat.check())
+    assert time.monotonic() - started < 10
+
+
+def test_a_retry_is_said_in_one_line_at_most_once_a_minute(capsys):
+    """An endpoint that leaves calls unanswered would otherwise keep a script silent for timeout x attempts."""
+    with FakeOpenAIServer([{"hang": 1}, "Fine.", {"status": 500}, "Fine too."]) as server:
+        chat = ChatClient(server.base_url, "sim-model", max_retries=2, timeout=0.3)
+        assert run(chat.complete([{"role": "user", "content": "Hi"}])) == "Fine."
+        said = capsys.readouterr().err
+        assert said == (f"the simulator endpoint {server.base_url} failed a call or left it unanswered for 0.3 s; "
+                        "retrying (attempt 2 of 3)\n")
+        assert run(chat.complete([{"role": "user", "content": "Hi"}])) == "Fine too."
+    assert capsys.readouterr().err == ""  # the second retry came within the minute
+    assert chat.totals.attempts == 4 and chat.totals.calls == 2
+
+
 def test_check_names_a_model_the_server_does_not_serve():
     with FakeOpenAIServer(models=["other-model"]) as server:
         with pytest.raises(EndpointError, match="'sim-model' is not served"):

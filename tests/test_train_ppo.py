@@ -2,6 +2,7 @@
 import collections
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import common
 import train_ppo
 from train_ppo import masked_gae, place_rewards, ppo_losses
 
@@ -217,19 +219,15 @@ def test_a_blank_critic_explains_none_of_the_returns_variance(on_policy_step):
     assert metrics["ppo/explained_variance"] == pytest.approx(0.0, abs=1e-6)
 
 
-def test_resume_continues_where_an_interrupted_run_stopped(tiny_model_dir, tmp_path):
+def test_resume_continues_where_an_interrupted_run_stopped_and_a_new_run_there_is_refused(tiny_model_dir, tmp_path):
     output_dir = tmp_path / "run"
-    run_ppo(tiny_model_dir, output_dir, "--max_steps", "3", "--save_steps", "2")  # "interrupted" after step 3
+    small = ["--profiles_per_step", "1", "--max_turns", "1", "--save_steps", "2"]
+    run_ppo(tiny_model_dir, output_dir, "--max_steps", "3", *small)  # "interrupted" after step 3
     assert (output_dir / "checkpoint-2").is_dir()
-    transcripts, metrics = run_ppo(tiny_model_dir, output_dir, "--max_steps", "4", "--save_steps", "2", "--resume")
+    transcripts, metrics = run_ppo(tiny_model_dir, output_dir, "--max_steps", "4", "--resume", *small)
     per_step = collections.Counter(row["step"] for row in transcripts)
-    assert per_step == {0: 4, 1: 4, 2: 4, 3: 4}  # step 2 played again once, nothing lost or doubled
+    assert per_step == {0: 2, 1: 2, 2: 2, 3: 2}  # step 2 played again once, nothing lost or doubled
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
-
-
-def test_a_new_run_refuses_an_output_dir_that_holds_one(tiny_model_dir, tmp_path):
-    output_dir = tmp_path / "run"
-    run_ppo(tiny_model_dir, output_dir, "--max_steps", "1")
     finished = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
                                "--output_dir", str(output_dir), "--max_steps", "1"], capture_output=True, text=True)
     assert finished.returncode != 0 and "already holds a run" in finished.stderr
@@ -540,7 +538,6 @@ def test_the_mean_over_no_actions_is_zero_not_nan():
 
 def test_ctrl_c_finishes_the_step_saves_it_marks_the_run_and_says_how_to_continue(tiny_model_dir, tmp_path,
                                                                                    monkeypatch, capsys):
-    import os
     import signal
 
     run = tmp_path / "run"
@@ -565,10 +562,56 @@ def test_ctrl_c_finishes_the_step_saves_it_marks_the_run_and_says_how_to_continu
     assert json.loads((run / "rlver-run.json").read_text())["interrupted"] == [
         {"after_step": 0, "checkpoint": str(run / "checkpoint-1")}]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's own again
+
+    # A broken checkpoint-2 (a copy cut short) is passed over at resume; a Ctrl-C in step 1 must then save
+    # checkpoint-2 afresh, not take the broken folder for its own save.
+    (run / "checkpoint-2").mkdir()
+    (run / "checkpoint-2" / "state.pt").write_bytes(b"")
+    with pytest.raises(SystemExit):
+        train_ppo.main(argv + ["--resume"])
+    assert common.checkpoint_problem(run / "checkpoint-2", train_ppo.CHECKPOINT_MEMBERS) is None
+    assert json.loads((run / "rlver-run.json").read_text())["interrupted"][1] == {
+        "after_step": 1, "checkpoint": str(run / "checkpoint-2")}
     monkeypatch.setattr(train_ppo, "ppo_epochs", train)
     train_ppo.main(argv + ["--resume"])
     steps = [json.loads(line)["step"] for line in (run / "transcripts.jsonl").read_text().splitlines()]
     assert steps == [0, 0, 1, 1, 2, 2]
+
+
+def test_processes_launched_together_that_each_see_themselves_alone_are_refused(monkeypatch):
+    """torchrun without GPUs and without ACCELERATE_USE_CPU: accelerate gives every process rank 0 of 1; each
+    would train alone over the same files."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(common.InputError, match=r"launched as 2 processes \(WORLD_SIZE\), but each sees itself alone: "
+                                                r"without GPUs, set ACCELERATE_USE_CPU=1"):
+        common.check_process_count(SimpleNamespace(num_processes=1))
+    common.check_process_count(SimpleNamespace(num_processes=2))
+    monkeypatch.delenv("WORLD_SIZE")
+    common.check_process_count(SimpleNamespace(num_processes=3))  # an MPI launch: no WORLD_SIZE to compare
+
+
+@pytest.mark.parametrize("run_id, timeout, deadline", [
+    (None, None, ""), ("1", None, "; the launcher kills the processes 30 s after its Ctrl-C"),
+    ("1", "900", "; the launcher kills the processes 900 s after its Ctrl-C")])
+def test_under_torchs_elastic_launcher_the_ctrl_c_notice_gives_its_deadline(run_id, timeout, deadline, monkeypatch,
+                                                                             capsys):
+    """torchrun and accelerate launch (several processes) pass a Ctrl-C on to the processes and kill them
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (30 unless set): a user with longer steps must learn it."""
+    import signal
+
+    for name, value in (("TORCHELASTIC_RUN_ID", run_id), ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", timeout)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    common.StopRequest().handle(signal.SIGINT, None)
+    said = capsys.readouterr().err.strip()
+    assert said.startswith("Ctrl-C: stopping once this step is done, with a checkpoint (Ctrl-C again quits now, "
+                           "without saving)")
+    assert said.endswith(deadline + (": for longer steps, launch with TORCH_ELASTIC_SHUTDOWN_TIMEOUT set higher"
+                                     if deadline else ")"))
 
 
 def test_a_second_ctrl_c_quits_at_once_without_saving(tiny_model_dir, tmp_path):
@@ -603,3 +646,47 @@ def test_a_second_ctrl_c_quits_at_once_without_saving(tiny_model_dir, tmp_path):
     assert "Ctrl-C again: quitting now, without saving" in stderr
     assert "Traceback" not in stderr and not list(run.glob("checkpoint-*"))
 
+
+
+@pytest.mark.slow
+def test_ctrl_c_reaching_one_rank_stops_both_after_the_same_step_with_one_whole_checkpoint(tiny_model_dir, tmp_path):
+    """2 gloo ranks (torch.distributed.run, as accelerate launch starts them): the signal reaches rank 1 only, as
+    on a node where Ctrl-C was pressed while the other node trains on. Both ranks must stop after the same step
+    (a rank stopping alone would leave the other waiting forever at its next collective), save one checkpoint
+    holding that step, and exit 130."""
+    import signal
+    import time
+
+    import psutil
+    from conftest import free_port
+
+    run = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(run),
+         "--max_steps", "40", "--save_steps", "30", "--max_turns", "1", "--max_reply_tokens", "4",
+         "--profiles_per_step", "1", "--dialogues_per_profile", "2", "--minibatch_size", "2"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"})
+    try:
+        deadline = time.time() + 240
+        while not ((run / "transcripts.rank1.jsonl").is_file() and (run / "transcripts.rank1.jsonl").read_text()):
+            assert launcher.poll() is None and time.time() < deadline, launcher.stdout.read()[-3000:]
+            time.sleep(0.2)
+        [rank_1] = [child for child in psutil.Process(launcher.pid).children(recursive=True)
+                    if child.environ().get("RANK") == "1"]
+        rank_1.send_signal(signal.SIGINT)
+        said, _ = launcher.communicate(timeout=120)  # a rank left waiting at a collective hangs: fails here
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    steps = [[json.loads(line)["step"] for line in (run / f"transcripts.rank{rank}.jsonl").read_text().splitlines()]
+             for rank in (0, 1)]
+    last = steps[0][-1]
+    assert steps[0] == steps[1] == [step for step in range(last + 1) for _ in range(2)], said[-3000:]
+    assert last < 39 and "exitcode  : 130" in said
+    assert f"interrupted after step {last}: {run / f'checkpoint-{last + 1}'} holds its state" in said
+    assert [path.name for path in run.glob("checkpoint-*")] == [f"checkpoint-{last + 1}"]
+    assert common.checkpoint_problem(run / f"checkpoint-{last + 1}", train_ppo.CHECKPOINT_MEMBERS) is None
+    assert json.loads((run / "rlver-run.json").read_text())["interrupted"] == [
+        {"after_step": last, "checkpoint": str(run / f"checkpoint-{last + 1}")}]
