@@ -654,6 +654,7 @@ def test_ctrl_c_reaching_one_rank_stops_both_after_the_same_step_with_one_whole_
     on a node where Ctrl-C was pressed while the other node trains on. Both ranks must stop after the same step
     (a rank stopping alone would leave the other waiting forever at its next collective), save one checkpoint
     holding that step, and exit 130."""
+    import contextlib
     import signal
     import time
 
@@ -668,16 +669,21 @@ def test_ctrl_c_reaching_one_rank_stops_both_after_the_same_step_with_one_whole_
          "--profiles_per_step", "1", "--dialogues_per_profile", "2", "--minibatch_size", "2"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"})
+    workers = []  # in sessions of their own: killing the launcher would leave them running
     try:
         deadline = time.time() + 240
         while not ((run / "transcripts.rank1.jsonl").is_file() and (run / "transcripts.rank1.jsonl").read_text()):
             assert launcher.poll() is None and time.time() < deadline, launcher.stdout.read()[-3000:]
             time.sleep(0.2)
-        [rank_1] = [child for child in psutil.Process(launcher.pid).children(recursive=True)
-                    if child.environ().get("RANK") == "1"]
+        workers = [child for child in psutil.Process(launcher.pid).children(recursive=True)
+                   if "RANK" in child.environ()]
+        [rank_1] = [worker for worker in workers if worker.environ()["RANK"] == "1"]
         rank_1.send_signal(signal.SIGINT)
         said, _ = launcher.communicate(timeout=120)  # a rank left waiting at a collective hangs: fails here
     finally:
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.kill()
         if launcher.poll() is None:
             launcher.kill()
     steps = [[json.loads(line)["step"] for line in (run / f"transcripts.rank{rank}.jsonl").read_text().splitlines()]
