@@ -272,6 +272,8 @@ def check_output_file(path, option: str, made_here=None, inputs=()) -> None:
     path = Path(path)
     if path.is_dir():
         raise InputError(f"--{option} {path}: a folder; give the path of the file to write")
+    if path.is_symlink() and not path.exists():
+        raise InputError(f"--{option} {path}: a link to {os.readlink(path)}, which does not exist; give another path")
     for given in inputs:
         if Path(given).is_file() and path.exists() and path.samefile(given):
             raise InputError(f"--{option} {path}: that is an input of this run; give another path")
@@ -495,6 +497,17 @@ def starts_with(marker: bytes, size: int = 4096):
     def made_here(path) -> bool:
         with open(path, "rb") as file:
             return marker in file.read(size)
+    return made_here
+
+
+def json_object_with(key: str):
+    """made_here for check_output_file: whether a file is a JSON object holding `key` (a summary)."""
+    def made_here(path) -> bool:
+        try:
+            made = json.loads(Path(path).read_bytes())
+        except ValueError:  # not JSON, not UTF-8
+            return False
+        return isinstance(made, dict) and key in made
     return made_here
 
 

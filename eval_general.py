@@ -643,15 +643,20 @@ def check_sandbox(data: dict, memory_mb: int) -> None:
                             f"({verdict['result']}); raise --code_memory_mb (default 4096)")
 
 
-def read_summary(path: Path) -> dict:
-    """The figures of earlier runs into this folder; this run replaces those of the tasks it runs."""
+def read_summary(path: Path, made_by: dict, think: bool) -> dict:
+    """The figures of earlier runs of this model and think setting into this folder; this run replaces those
+    of the tasks it runs. A summary of another model's, or not this script's, is refused: one summary names
+    one model."""
     try:
         summary = json.loads(common.read_text(path, "summary file"))
     except json.JSONDecodeError as error:
         raise DataError(f"{path}:{error.lineno}: not valid JSON ({error.msg}); delete it: each task's figures are "
                         "computed again from its <task>.jsonl when the task runs") from None
-    if not isinstance(summary, dict):
-        raise DataError(f"{path}: not a summary (a JSON object); delete it")
+    if not isinstance(summary, dict) or "made_by" not in summary:
+        raise DataError(f"{path}: not a summary this script wrote; give another --output_dir, or delete it")
+    if (summary["made_by"], summary.get("think")) != (made_by, think):
+        raise DataError(f"{path}: the figures of {summary['made_by'].get('model')} (think={summary.get('think')}), "
+                        f"not of {made_by['model']} (think={think}); give another --output_dir")
     return summary
 
 
@@ -666,7 +671,8 @@ def evaluate(args: GeneralEvalArguments) -> dict:
     data = {task: LOADERS[task](args) for task in tasks}  # before the model: bad data fails in seconds
     check_sandbox(data, args.code_memory_mb)
     summary_path = output_dir / "summary.json"
-    summary = read_summary(summary_path) if summary_path.is_file() else {}
+    made_by = common.model_record(args.model, args.model_base_url)
+    summary = read_summary(summary_path, made_by, args.think) if summary_path.is_file() else {}
     done = {task: finished_items(output_dir / f"{task}.jsonl", data[task], run_record(task, args)) for task in tasks}
     backend = make_backend(args)
     for task in tasks:
@@ -677,8 +683,7 @@ def evaluate(args: GeneralEvalArguments) -> dict:
                                     "grade the rest")
         summary[task] = summarize(task, rows)
         partial = summary_path.with_suffix(".json.partial")
-        partial.write_text(json.dumps({**summary, "model": args.model, "think": args.think,
-                                       "made_by": common.model_record(args.model, args.model_base_url)},
+        partial.write_text(json.dumps({**summary, "model": args.model, "think": args.think, "made_by": made_by},
                                       indent=2) + "\n")
         partial.replace(summary_path)  # a run killed while writing leaves the previous summary whole
     return {task: summary[task] for task in tasks}

@@ -327,6 +327,8 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
     output = Path(args.output) if args.output else default_output(args)
     # Its folder is made with the first row written; a file of rows, ours, is resumed (finished_ids).
     common.check_output_file(output, "output", common.starts_with(b'{"'), [args.profiles])
+    summary_path = output.with_suffix(".summary.json")
+    common.check_output_file(summary_path, "output", common.json_object_with("made_by"), [args.profiles, output])
     made_by = run_record(args, simulator_args)
     done = finished_ids(output, made_by, profiles, args.profiles)
     if len(done) < len(profiles):
@@ -349,7 +351,7 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
                                         f"{output}; run the same command again to play the rest")
     summary = summarize(read_results(output, skip_cut_last_line=True), args.bootstrap_samples)
     summary.update(results=str(output), made_by=made_by)
-    output.with_suffix(".summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    summary_path.write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     return summary
 
 

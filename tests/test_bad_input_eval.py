@@ -310,6 +310,30 @@ def test_a_broken_file_in_the_output_folder_is_refused_before_the_model_loads(na
     assert status == 1 and error.startswith(f"error: {tmp_path / name}") and message in error
 
 
+@pytest.mark.parametrize("summary, message", [
+    ({"humaneval": {"pass@1": 87.5}, "model": "gpt-4"}, "summary.json: not a summary this script wrote"),
+    ({"humaneval": {"pass@1": 87.5}, "model": "gpt-4", "think": False, "made_by": {"model": "gpt-4", "served": True}},
+     "summary.json: the figures of gpt-4 (think=False), not of tested (think=True); give another --output_dir"),
+], ids=["foreign", "another-model"])
+def test_a_general_summary_of_someone_else_or_another_model_is_refused_and_kept(summary, message, no_general_model,
+                                                                                tmp_path, capsys):
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    status, error = outcome(eval_general.main, ["--model", "tested", "--model_base_url", "http://127.0.0.1:9/v1",
+                                                "--think", "--tasks", "humaneval", "--output_dir", tmp_path], capsys)
+    assert status == 1 and message in error
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+
+
+def test_a_sentient_summary_file_this_script_did_not_write_is_refused_before_any_dialogue(no_sentient_model,
+                                                                                          tmp_path, capsys):
+    profiles = benchmark_profiles(tmp_path / "bench.jsonl")
+    (tmp_path / "r.summary.json").write_text('{"score": 61.7}')
+    status, error = outcome(eval_sentient.main, ["--profiles", profiles, "--output", tmp_path / "r.jsonl"], capsys)
+    assert status == 1 and error == (f"error: --output {tmp_path / 'r.summary.json'}: a file this script did not "
+                                     "write; give another path, or delete it")
+    assert (tmp_path / "r.summary.json").read_text() == '{"score": 61.7}' and not (tmp_path / "r.jsonl").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # Endpoints: the simulator's is checked before the tested model's weights load
 # --------------------------------------------------------------------------------------------

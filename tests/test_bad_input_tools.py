@@ -221,12 +221,17 @@ def test_report_refuses_to_replace_a_file_it_did_not_write_and_replaces_its_own(
 
 def test_plot_training_refuses_a_device_a_foreign_file_and_its_input_and_replaces_its_own_plot(tmp_path):
     run = steps_run(tmp_path / "run")
-    assert "not a regular file" in exit_message(plot_training.main, [str(run), "--out", "/dev/full"])
+    (tmp_path / "full.png").symlink_to("/dev/full")
+    assert "not a regular file" in exit_message(plot_training.main, [str(run), "--out", str(tmp_path / "full.png")])
     photo = tmp_path / "photo.png"
     photo.write_bytes(b"\x89PNG\r\n\x1a\n someone's picture")
     assert "did not write" in exit_message(plot_training.main, [str(run), "--out", str(photo)])
     transcripts = run / "transcripts.jsonl"
-    assert "an input of this run" in exit_message(plot_training.main, [str(run), "--out", str(transcripts)])
+    (tmp_path / "link.png").symlink_to(transcripts)
+    (tmp_path / "dangling.png").symlink_to(tmp_path / "gone" / "x.png")
+    assert f"a link to {tmp_path / 'gone' / 'x.png'}, which does not exist" in exit_message(
+        plot_training.main, [str(run), "--out", str(tmp_path / "dangling.png")])
+    assert "an input of this run" in exit_message(plot_training.main, [str(run), "--out", str(tmp_path / "link.png")])
     plot_training.main([str(run), "--out", str(tmp_path / "curve.png")])
     plot_training.main([str(run), "--out", str(tmp_path / "curve.png")])  # its own plot, replaced
     assert photo.read_bytes().endswith(b"someone's picture") and transcripts.read_text().count("\n") == 6

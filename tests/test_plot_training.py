@@ -64,3 +64,26 @@ def test_the_format_metric_refuses_a_transcript_without_its_fields(tmp_path):
     run = write_run(tmp_path / "old", [row])
     with pytest.raises(plot_training.common.InputError, match="needs numbers 'step', 'format_violations' and 'turns'"):
         plot_training.step_means(run, "format")
+
+
+@pytest.mark.parametrize("out, said", [
+    ("plot", "--out {out}: give a .png path"),  # savefig would add .png and replace someone's plot.png
+    ("plot.txt", "--out {out}: give a .png path"),
+])
+def test_an_out_path_that_is_not_a_png_is_refused_before_anything_is_written(out, said, tmp_path, capsys):
+    run = run_of(tmp_path / "a", [[30], [40]])
+    (tmp_path / "plot.png").write_bytes(b"someone's plot")
+    with pytest.raises(SystemExit) as exit_info:
+        plot_training.main([str(run), "--out", str(tmp_path / out)])
+    assert exit_info.value.code == 2
+    assert said.format(out=tmp_path / out) in capsys.readouterr().err
+    assert (tmp_path / "plot.png").read_bytes() == b"someone's plot"
+
+
+def test_a_run_given_twice_is_refused_not_counted_as_two_seeds(tmp_path, capsys):
+    run = run_of(tmp_path / "a", [[30], [40]])
+    (tmp_path / "link").symlink_to(run)
+    with pytest.raises(SystemExit) as exit_info:
+        plot_training.main(["--arm", "PPO", str(run), str(tmp_path / "link"), "--out", str(tmp_path / "arms.png")])
+    assert exit_info.value.code == 2
+    assert f"{tmp_path / 'link'}: the same run as {run}; give each run once" in capsys.readouterr().err
