@@ -155,6 +155,21 @@ NOT_NEGATIVE = (lambda value: value >= 0, "0 or more")
 FRACTION = (lambda value: 0 <= value <= 1, "within 0-1")
 
 
+def is_url(text: str) -> bool:
+    """An http(s) URL with a host and, if any, a numeric port: an endpoint's address. Without a scheme it
+    would read as a connection error later, with a bad port as a traceback."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        return parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is not a number, a bracketed host left open
+        return False
+
+
+URL = (is_url, "an http(s) URL, e.g. http://localhost:8000/v1")
+
+
 def read_config(path, parser, extra_keys: tuple[str, ...] = ()) -> dict:
     """A --config YAML file as a dict of options, every key one the parser knows or one of `extra_keys`
     (TrlParser's `env:`, environment variables it sets)."""
@@ -585,7 +600,10 @@ class CallStats:
 _CURRENT_CALL = contextvars.ContextVar("current_simulator_call")  # the CallStats an HTTP attempt counts into
 
 
-CHECK_TIMEOUT = 20.0  # seconds a start-up model listing may take (an endpoint that never answers fails then)
+CHECK_TIMEOUT = 10.0  # seconds a start-up model listing may take (an endpoint that never answers fails then)
+# What the SDK raises on an answer that is not its JSON: not JSON (ValueError), an HTML page parsed as
+# text (AttributeError), JSON of another shape (pydantic's ValidationError is a ValueError).
+NOT_OPENAI_JSON = (ValueError, AttributeError, TypeError)
 RETRY_NOTICE_EVERY = 60.0  # seconds between two notices of a client's retries
 
 
@@ -598,6 +616,8 @@ class ChatClient:
                  max_retries: int = 3, role: str = "simulator"):
         import openai
 
+        if not is_url(base_url):
+            raise InputError(f"the {role} endpoint's address {base_url}: must be {URL[1]}")
         # Local servers (vLLM) accept any key; commercial APIs need the named variable set.
         api_key = os.environ.get(api_key_env) or "EMPTY"
         # The SDK retries connection errors, timeouts, 429 (after its Retry-After) and 5xx, at most
@@ -644,6 +664,10 @@ class ChatClient:
         except openai.APIStatusError as error:
             raise EndpointError(f"the {self.role} endpoint {self.base_url} answered {error.status_code} "
                                 f"to a model listing: {error.message}") from None
+        except NOT_OPENAI_JSON as error:
+            raise EndpointError(f"the {self.role} endpoint {self.base_url} answered a model listing with something "
+                                f"that is not OpenAI's JSON ({type(error).__name__}); check that the base URL is "
+                                "an OpenAI-compatible API (it usually ends in /v1)") from None
         if models and self.model not in models:
             raise EndpointError(f"model {self.model!r} is not served at {self.base_url}; it serves {models}")
 
@@ -660,15 +684,23 @@ class ChatClient:
             if response.usage is not None:
                 call.prompt_tokens = response.usage.prompt_tokens or 0
                 call.completion_tokens = response.usage.completion_tokens or 0
+            if not response.choices:
+                raise EndpointError(f"{self.role} endpoint {self.base_url} answered a chat completion without "
+                                    "choices")
+            return response.choices[0].message.content or ""
         except openai.APIError as error:
             call.failed = 1
             raise EndpointError(f"{self.role} endpoint {self.base_url} failed after retries: {error}") from None
+        except NOT_OPENAI_JSON as error:
+            call.failed = 1
+            raise EndpointError(f"{self.role} endpoint {self.base_url} answered with something that is not an "
+                                f"OpenAI chat completion ({type(error).__name__}: {error})") from None
+        except EndpointError:
+            call.failed = 1
+            raise
         finally:
             _CURRENT_CALL.reset(token)
             call.add_to(self.totals, stats)
-        if not response.choices:
-            return ""
-        return response.choices[0].message.content or ""
 
 # --------------------------------------------------------------------------------------------
 # Models by name: a folder, a hub id, the packaged offline model, a trained adapter merged for evaluation

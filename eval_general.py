@@ -125,7 +125,7 @@ class GeneralEvalArguments:
             batch_size=common.AT_LEAST_ONE, seed=common.NOT_NEGATIVE,
             code_memory_mb=(lambda value: value >= MIN_CODE_MEMORY_MB, f"at least {MIN_CODE_MEMORY_MB} (MB)"),
             compare=(lambda value: len(value) in (0, 2), "two paths: BASE TRAINED"),
-            bootstrap_samples=common.AT_LEAST_ONE)
+            bootstrap_samples=common.AT_LEAST_ONE, model_base_url=common.URL)
         start, end = self.livecodebench_start_date, self.livecodebench_end_date
         if start and end and start > end:
             raise common.ArgumentError(f"--livecodebench_start_date {start} is after --livecodebench_end_date {end}")

@@ -572,7 +572,8 @@ class SimulatorArguments:
 
     def __post_init__(self):
         common.check_options(self, simulator_timeout=common.POSITIVE, simulator_max_retries=common.NOT_NEGATIVE,
-                             change_bound=(lambda value: 1 <= value <= MAX_EMOTION, f"within 1-{MAX_EMOTION}"))
+                             change_bound=(lambda value: 1 <= value <= MAX_EMOTION, f"within 1-{MAX_EMOTION}"),
+                             base_url=common.URL)
         if self.simulator_prompts != "ours" and self.variant != "vanilla":
             raise common.ArgumentError(f"--variant {self.variant}: the {self.simulator_prompts} prompts have one "
                                        "variant; variants are ours (--simulator_prompts ours)")

@@ -15,13 +15,16 @@ class FakeOpenAIServer:
     """Answers /v1/chat/completions from a script. Each entry is a message text, or a fault:
     {"status": 500} an error response (with "retry_after": seconds, a Retry-After header),
     {"hang": seconds} no answer for that long (then "text", if given), {"truncated": True} a body
-    cut short of its Content-Length, {"text": ..., "usage": False} an answer without usage (some servers). Every request body is kept in `requests`. Answers report token
-usage as a server does, counting whitespace-separated words (`usage_of`)."""
+    cut short of its Content-Length, {"text": ..., "usage": False} an answer without usage (some servers),
+    {"raw": text, "content_type": ...} a 200 whose body is that text (not OpenAI's JSON; also `models_raw`
+    for the model listing), {"choices": []} a completion without choices. Every request body is kept in
+    `requests`. Answers report token usage as a server does, counting whitespace-separated words (`usage_of`)."""
 
-    def __init__(self, script=(), models=("sim-model",), default=None, respond=None):
+    def __init__(self, script=(), models=("sim-model",), default=None, respond=None, models_raw=None):
         self.respond = respond  # called with each request body once the script is used up: an entry as above
         self.script = list(script)
         self.models = list(models)
+        self.models_raw = models_raw  # a (text, content type) answer to the model listing instead of the list
         self.default = default  # answer once the script is used up (None: fail the test loudly)
         self.requests = []
         self._lock = threading.Lock()
@@ -31,10 +34,10 @@ usage as a server does, counting whitespace-separated words (`usage_of`)."""
             def log_message(self, *args):
                 pass
 
-            def _send(self, status, body, headers=(), truncated=False):
-                data = json.dumps(body).encode()
+            def _send(self, status, body, headers=(), truncated=False, raw=None, content_type="application/json"):
+                data = raw.encode() if raw is not None else json.dumps(body).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(data)))
                 for name, value in headers:
                     self.send_header(name, value)
@@ -44,7 +47,9 @@ usage as a server does, counting whitespace-separated words (`usage_of`)."""
                     self.close_connection = True
 
             def do_GET(self):
-                if self.path.rstrip("/").endswith("/models"):
+                if self.path.rstrip("/").endswith("/models") and server.models_raw:
+                    self._send(200, None, raw=server.models_raw[0], content_type=server.models_raw[1])
+                elif self.path.rstrip("/").endswith("/models"):
                     self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in server.models]})
                 else:
                     self._send(404, {"error": {"message": "not found"}})
@@ -62,6 +67,11 @@ usage as a server does, counting whitespace-separated words (`usage_of`)."""
                         return  # the client has given up by now; close without an answer
                 if entry is None:
                     self._send(500, {"error": {"message": "fake server: script exhausted"}})
+                elif isinstance(entry, dict) and "raw" in entry:
+                    self._send(200, None, raw=entry["raw"], content_type=entry.get("content_type", "application/json"))
+                elif isinstance(entry, dict) and "choices" in entry:
+                    self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                                     "choices": entry["choices"]})
                 elif isinstance(entry, dict) and "status" in entry:
                     headers = [("Retry-After", str(entry["retry_after"]))] if "retry_after" in entry else []
                     self._send(entry["status"], {"error": {"message": f"scripted {entry['status']}"}}, headers)

@@ -86,6 +86,7 @@ def test_help_prints_and_exits_0(main, capsys):
     (["--top_p", 0], "--top_p 0.0: must be above 0 and at most 1"),
     (["--top_p", "nan"], "--top_p nan: must be a finite number"),
     (["--seed", -1], "--seed -1: must be 0 or more"),
+    (["--model_base_url", "localhost:8000/v1"], "--model_base_url 'localhost:8000/v1': must be an http(s) URL"),
 ])
 def test_sentient_numbers_out_of_range_are_refused_while_parsing(argv, message, capsys):
     status, error = outcome(eval_sentient.main, argv, capsys)
@@ -101,6 +102,7 @@ def test_sentient_numbers_out_of_range_are_refused_while_parsing(argv, message, 
     (["--batch_size", 0], "--batch_size 0: must be at least 1"),
     (["--temperature", "nan"], "--temperature nan: must be a finite number"),
     (["--top_p", 1.5], "--top_p 1.5: must be above 0 and at most 1"),
+    (["--model_base_url", "http://[::1"], "--model_base_url 'http://[::1': must be an http(s) URL"),
 ])
 def test_general_numbers_out_of_range_are_refused_while_parsing(argv, message, capsys):
     status, error = outcome(eval_general.main, argv, capsys)

@@ -209,7 +209,7 @@ def bounds_said(what: str):
 
 # Rules whose message is not a plain range (lists, dates, paths, a divisor), each tested where it is defined.
 NOT_A_RANGE = {"tasks", "livecodebench_release", "livecodebench_start_date", "livecodebench_end_date", "compare",
-               "micro_batch_size"}
+               "micro_batch_size", "base_url", "model_base_url"}
 
 
 @pytest.mark.parametrize("index", range(7))

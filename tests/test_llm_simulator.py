@@ -7,6 +7,7 @@ import time
 import pytest
 from fake_openai import FakeOpenAIServer
 
+import common
 import simulator
 from common import ChatClient, EndpointError
 from simulator import LLMSimulator, SimulatorError
@@ -286,6 +287,40 @@ def test_a_retry_is_said_in_one_line_at_most_once_a_minute(capsys):
         assert run(chat.complete([{"role": "user", "content": "Hi"}])) == "Fine too."
     assert capsys.readouterr().err == ""  # the second retry came within the minute
     assert chat.totals.attempts == 4 and chat.totals.calls == 2
+
+
+@pytest.mark.parametrize("raw, content_type", [("hello world", "application/json"), ("<html>hi</html>", "text/html")])
+def test_an_endpoint_answering_what_is_not_openais_json_fails_in_one_line_at_check_and_in_a_call(raw, content_type):
+    """A base URL that points at a web page, or a server of another API: one line saying so, not the SDK's
+    JSONDecodeError or AttributeError."""
+    with FakeOpenAIServer(models_raw=(raw, content_type)) as server:
+        with pytest.raises(EndpointError, match="answered a model listing with something that is not OpenAI's JSON"):
+            run(ChatClient(server.base_url, "sim-model", max_retries=0).check())
+    with FakeOpenAIServer([{"raw": raw, "content_type": content_type}]) as server:
+        chat = ChatClient(server.base_url, "sim-model", max_retries=0)
+        with pytest.raises(EndpointError, match="answered with something that is not an OpenAI chat completion"):
+            run(chat.complete([{"role": "user", "content": "Hi"}]))
+    assert chat.totals.failed == 1
+
+
+def test_a_completion_without_choices_is_a_failed_call_not_an_empty_answer():
+    """An empty answer would be graded (0 in eval_general) or re-asked as if the model had said nothing."""
+    with FakeOpenAIServer([{"choices": []}]) as server:
+        chat = ChatClient(server.base_url, "sim-model", max_retries=0)
+        with pytest.raises(EndpointError, match="answered a chat completion without choices"):
+            run(chat.complete([{"role": "user", "content": "Hi"}]))
+    assert chat.totals.failed == 1 and chat.totals.calls == 1
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "http://[::1", "http://localhost:port/v1", "ftp://host/v1"])
+def test_an_endpoint_address_that_is_not_an_http_url_is_refused_while_parsing(url, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        simulator.main(["--profile", "en-train-01", "--backend", "llm", "--simulator_model", "m", "--base_url", url])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"--base_url {url!r}: must be an http(s) URL, e.g. http://localhost:8000/v1")
+    with pytest.raises(common.InputError, match="the simulator endpoint's address .*: must be an http"):
+        ChatClient(url, "m")
 
 
 def test_check_names_a_model_the_server_does_not_serve():
