@@ -188,6 +188,12 @@ def read_config(path, parser, extra_keys: tuple[str, ...] = ()) -> dict:
         return {}
     if not isinstance(config, dict):
         raise InputError(f"{path}: a config is a mapping of option: value, got {type(config).__name__}")
+    lines = {}  # an option set twice: YAML keeps the last value without a word
+    for key_node, _ in yaml.compose(text, Loader=yaml.SafeLoader).value:
+        if key_node.value in lines:
+            raise InputError(f"{path}:{key_node.start_mark.line + 1}: {key_node.value} is set again (first on line "
+                             f"{lines[key_node.value]}); keep one")
+        lines[key_node.value] = key_node.start_mark.line + 1
     known = {action.dest for action in parser._actions} - {"help", "config"} | set(extra_keys)
     unknown = [str(key) for key in config if key not in known]
     if unknown:
@@ -206,11 +212,16 @@ def check_config_values(path, text: str, config: dict, parser) -> None:
     actions = {action.dest: action for action in parser._actions}
     for key, value in config.items():
         action = actions.get(key)
-        if action is None or value is None or action.type is None:
+        if action is None:
             continue
         line = next((number for number, text_line in enumerate(text.splitlines(), 1)
                      if text_line.startswith(f"{key}:")), None)
         where = f"{path}:{line}" if line else str(path)
+        if value is None and action.default is not None:  # `max_steps:` or `max_steps: null`
+            raise InputError(f"{where}: {key}: no value (null); give one, or leave the line out for the default "
+                             f"({action.default})")
+        if value is None or action.type is None:
+            continue
         many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
         if isinstance(value, (list, dict)) != many and not (isinstance(value, dict) and action.type is str):
             kind = "a list" if many else "one value"
@@ -258,6 +269,9 @@ def parse_arguments(parser, argv: list[str], hint=lambda message: "") -> tuple:
         raise
     except ValueError as error:  # the libraries' own checks, and unknown flags
         parser.error(str(error).rstrip(".") + hint(str(error)))
+    except ZeroDivisionError:  # a library's own check dividing by a count given as 0 (TRL's num_generations)
+        parser.error("a count given as 0 where it divides another (as --num_generations does): counts must be at "
+                     "least 1")
 
 
 MIN_FREE_BYTES = 64 * 2**20  # less free space than this on an output's filesystem is refused before any work
@@ -476,6 +490,9 @@ def check_run_folder(folder, script: str, model: str, resuming: bool, resume_fla
     folder = Path(folder)
     found = sorted(path.name for path in folder.iterdir()
                    if not path.name.startswith(".shared-check-")) if folder.is_dir() else []
+    if found == [RUN_MARKER]:  # a run that stopped before writing anything (a bad input found after marking)
+        (folder / RUN_MARKER).unlink(missing_ok=True)  # every rank may: a rank finding it gone is fine
+        return
     if not found:
         return
     marker = folder / RUN_MARKER

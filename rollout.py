@@ -92,6 +92,15 @@ class DialogueArguments:
             max_turns=common.AT_LEAST_ONE, max_think_tokens=common.AT_LEAST_ONE, max_reply_tokens=common.AT_LEAST_ONE,
             max_dialogue_tokens=common.AT_LEAST_ONE, format_penalty=common.NOT_NEGATIVE,
             simulator_concurrency=common.AT_LEAST_ONE, max_failed_share=common.FRACTION)
+        file_name = f"{self.policy_prompt}_think.txt" if self.think else f"{self.policy_prompt}.txt"
+        if not list(common.PROMPTS_DIR.glob(f"*/{file_name}")) or "/" in self.policy_prompt:
+            suffix = "_think.txt" if self.think else ".txt"
+            names = sorted({name for path in common.PROMPTS_DIR.glob(f"*/*{suffix}")
+                           if not (name := path.name.removesuffix(suffix)).endswith("_think")
+                           and name not in ("analysis", "opening", "reply", "system") and not name.startswith("style_")})
+            raise common.ArgumentError(f"--policy_prompt {self.policy_prompt}: no prompts/<language>/{file_name}; "
+                                       f"the prompts{' with a think variant' if self.think else ''} are "
+                                       f"{', '.join(names)}")
 
 
 # --------------------------------------------------------------------------------------------

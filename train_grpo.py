@@ -145,7 +145,14 @@ def parse_arguments(argv: list[str] | None = None):
     dialogue_args, simulator_args, credit_args, training_args, model_args = common.parse_arguments(
         parser, argv, hint=batch_hint)
     try:  # TRL's dataclasses are not ours: check them here, or inf, nan or a negative temperature would fail
-        common.check_options(training_args, temperature=common.POSITIVE)  # only after the model loaded
+        # What TRL and the Trainer refuse only after the model loaded (with a traceback), or not at all
+        # (save_steps 0 and max_steps -5 train on without the checkpoints or the steps asked for).
+        common.check_options(training_args, temperature=common.POSITIVE, learning_rate=common.NOT_NEGATIVE,
+                             per_device_train_batch_size=common.AT_LEAST_ONE, num_generations=common.AT_LEAST_ONE,
+                             gradient_accumulation_steps=common.AT_LEAST_ONE, save_steps=common.POSITIVE,
+                             max_steps=(lambda value: value == -1 or value >= 1,
+                                        "at least 1 (or -1: as many as --num_train_epochs make)"),
+                             beta=common.NOT_NEGATIVE)
         common.check_options(model_args)
         check_turn_credit(credit_args, training_args)
     except common.ArgumentError as error:

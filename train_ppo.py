@@ -741,10 +741,17 @@ def parse_arguments(argv=None):
 
 
 def check_tracker(report_to: str) -> None:
-    """accelerate drops a tracker whose package is missing without a word: the run would log nothing.
-    (It refuses an unknown name itself.)"""
+    """accelerate drops a tracker whose package is missing without a word: the run would log nothing; it
+    refuses an unknown name only once the models loaded, with a traceback."""
     available = [tracker.value for tracker in get_available_trackers()]
-    if report_to != "none" and report_to in LoggerType and report_to not in available:
+    trackers = [tracker.value for tracker in LoggerType if tracker.value != "all"]
+    if report_to not in ("none", "all", *trackers):
+        raise SystemExit(f"--report_to {report_to}: not a tracker accelerate knows; give one of none, all, "
+                         f"{', '.join(trackers)}")
+    if report_to == "all" and not available:
+        raise SystemExit("--report_to all: no tracker's package is installed (pip install tensorboard, say), or "
+                         "pass --report_to none")
+    if report_to not in ("none", "all", *available):
         raise SystemExit(f"--report_to {report_to}: its package is not installed; pip install {report_to} "
                          "(or pass --report_to none)")
 

@@ -353,6 +353,8 @@ def test_an_endpoint_answer_without_usage_is_taken_and_counts_no_tokens():
     ("max_turns: many", "max_turns: 'many' is not int"),
     ("backend: cloud", "backend: 'cloud' is not one of rule, llm, local"),
     ("think: maybe", "think: 'maybe' is not true or false"),
+    ("max_steps: null", "max_steps: no value (null); give one, or leave the line out for the default"),
+    ("max_turns:", "max_turns: no value (null)"),
 ])
 def test_a_config_value_of_the_wrong_type_is_refused_naming_its_file_and_line(tmp_path, script, line, message):
     import importlib
@@ -361,6 +363,17 @@ def test_a_config_value_of_the_wrong_type_is_refused_naming_its_file_and_line(tm
     config.write_text(f"# mine\n{line}\n")
     with pytest.raises(common.InputError, match=re.escape(f"{config}:2: {message}")):
         importlib.import_module(script).parse_arguments(["--config", str(config)])
+
+
+def test_an_option_set_twice_in_a_config_is_refused_naming_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys without a word: the first value would be silently ignored."""
+    import train_ppo
+
+    config = tmp_path / "run.yaml"
+    config.write_text("max_turns: 3\nthink: true\nmax_turns: 5\n")
+    with pytest.raises(common.InputError, match=re.escape(f"{config}:3: max_turns is set again (first on line 1); "
+                                                          "keep one")):
+        train_ppo.parse_arguments(["--config", str(config)])
 
 
 def test_config_values_that_read_as_their_flags_would_are_taken(tmp_path):

@@ -146,6 +146,28 @@ def test_a_run_killed_mid_step_resumes_without_losing_or_doubling_a_step(tiny_mo
     assert [entry["step"] for entry in history if "emotion/final_mean" in entry] == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be at least 1"),
+    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0: must be at least 1"),
+    (["--learning_rate", "-1"], "--learning_rate -1.0: must be 0 or more"),
+    (["--save_steps", "-1"], "--save_steps -1.0: must be above 0"),  # no checkpoint would ever be written
+    (["--max_steps", "-5"], "--max_steps -5: must be at least 1 (or -1: as many as --num_train_epochs make)"),
+    (["--beta", "-0.1"], "--beta -0.1: must be 0 or more"),
+    (["--num_generations", "0"], "a count given as 0 where it divides another (as --num_generations does)"),
+    (["--policy_prompt", "nosuch"], "--policy_prompt nosuch: no prompts/<language>/nosuch.txt; the prompts are "
+                                    "policy, sentient"),
+    (["--policy_prompt", "general"], "--policy_prompt general: no prompts/<language>/general.txt"),
+])
+def test_values_the_trainer_would_refuse_after_loading_or_never_are_refused_while_parsing(argv, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        train_grpo.parse_arguments(argv)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_max_steps_minus_one_leaves_the_length_to_the_epochs():
+    assert train_grpo.parse_arguments(["--max_steps", "-1"])[3].max_steps == -1
+
+
 @pytest.mark.slow
 def test_impossible_option_values_are_refused_before_any_model_loads(tmp_path):
     finished = subprocess.run([sys.executable, str(REPO / "train_grpo.py"), "--output_dir", str(tmp_path / "run"),

@@ -507,6 +507,9 @@ def test_a_wrong_simulator_endpoint_fails_in_seconds_before_any_model_loads(tiny
     (["--learning_rate", "0", "--minibatch_size", "0"], "--learning_rate 0.0: must be above 0; --minibatch_size 0"),
     (["--minibatch_size", "4", "--micro_batch_size", "3"],
      "--micro_batch_size 3: must be at least 1 and divide --minibatch_size 4"),
+    (["--policy_prompt", "nosuch", "--think"], "--policy_prompt nosuch: no prompts/<language>/nosuch_think.txt; the "
+                                               "prompts with a think variant are general, policy, sentient"),
+    (["--policy_prompt", "../policy"], "--policy_prompt ../policy: no prompts/<language>/../policy.txt"),
 ])
 def test_impossible_option_values_are_refused_at_parsing_with_the_option_named(argv, message, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -696,3 +699,16 @@ def test_ctrl_c_reaching_one_rank_stops_both_after_the_same_step_with_one_whole_
     assert common.checkpoint_problem(run / f"checkpoint-{last + 1}", train_ppo.CHECKPOINT_MEMBERS) is None
     assert json.loads((run / "rlver-run.json").read_text())["interrupted"] == [
         {"after_step": last, "checkpoint": str(run / f"checkpoint-{last + 1}")}]
+
+
+@pytest.mark.parametrize("report_to, message", [
+    ("nonsense", "--report_to nonsense: not a tracker accelerate knows; give one of none, all, "),
+    ("all", "--report_to all: no tracker's package is installed"),
+])
+def test_a_tracker_accelerate_would_refuse_after_loading_or_silently_drop_is_refused_first(report_to, message,
+                                                                                            monkeypatch):
+    monkeypatch.setattr(train_ppo, "get_available_trackers", lambda: [])
+    with pytest.raises(SystemExit) as stopped:
+        train_ppo.check_tracker(report_to)
+    assert str(stopped.value.code).startswith(message)
+    train_ppo.check_tracker("none")
