@@ -482,17 +482,35 @@ def newest_whole_checkpoint(output_dir, required: tuple[str, ...], say=print) ->
 RUN_MARKER = "rlver-run.json"  # written into a trainer's output folder when its run starts: whose run it is
 
 
-def check_run_folder(folder, script: str, model: str, resuming: bool, resume_flag: str) -> None:
+# The options that make a run what it is: a resume with other values would mix two methods in one run (or
+# fail on weights of another shape). Each trainer adds its own; batch sizes and learning rates may change.
+RUN_SETTINGS = ("think", "start_emotion", "max_turns", "max_think_tokens", "max_reply_tokens", "max_dialogue_tokens",
+                "format_penalty", "policy_prompt", "backend", "variant", "simulator_model", "change_bound",
+                "language", "simulator_prompts", "policy_prompts", "use_peft", "lora_r", "lora_alpha", "dtype",
+                "temperature", "turn_credit")
+
+
+def run_settings(names, *options) -> dict:
+    """{name: value} of each of `names` found on one of the option objects (dataclasses), as JSON keeps it."""
+    settings = {}
+    for name in names:
+        holder = next((given for given in options if hasattr(given, name)), None)
+        if holder is not None:
+            value = getattr(holder, name)
+            settings[name] = value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+    return settings
+
+
+def check_run_folder(folder, script: str, model: str, resuming: bool, resume_flag: str,
+                     settings: dict | None = None) -> None:
     """Refuse an output folder that holds anything but a run of `script` (its RUN_MARKER), or a run of it
-    when not resuming, or, resuming, a run of another model: a trainer writes weights, a tokenizer, a model
-    card and checkpoints there, over whatever files of the same names it finds. Every rank calls it before
-    any rank writes (the folder-sharing check's own marker is not a file of anyone's)."""
+    when not resuming, or, resuming, a run of another model or other `settings` (run_settings): a trainer
+    writes weights, a tokenizer, a model card and checkpoints there, over whatever files of the same names it
+    finds. Every rank calls it before any rank writes (the folder-sharing check's own marker is not a file of
+    anyone's)."""
     folder = Path(folder)
     found = sorted(path.name for path in folder.iterdir()
                    if not path.name.startswith(".shared-check-")) if folder.is_dir() else []
-    if found == [RUN_MARKER]:  # a run that stopped before writing anything (a bad input found after marking)
-        (folder / RUN_MARKER).unlink(missing_ok=True)  # every rank may: a rank finding it gone is fine
-        return
     if not found:
         return
     marker = folder / RUN_MARKER
@@ -508,20 +526,31 @@ def check_run_folder(folder, script: str, model: str, resuming: bool, resume_fla
                          "--output_dir") from None
     if owner != script:
         raise InputError(f"--output_dir {folder}: holds a {owner} run; choose another folder for {script}")
+    if found == [RUN_MARKER]:  # a run of ours that stopped before writing anything (a bad input found late)
+        marker.unlink(missing_ok=True)  # every rank may: a rank finding it gone is fine
+        return
     if not resuming:
         raise InputError(f"--output_dir {folder}: already holds a run; choose another --output_dir, delete it, or "
                          f"pass {resume_flag} to continue it")
     if owner_model != model:
         raise InputError(f"{resume_flag}: {folder} holds a run of {owner_model}, not of {model}; resume it with "
                          "the same model, or choose another --output_dir")
+    made_with = made.get("settings", {})
+    changed = [f"--{name} {made_with[name]} (this run: {value})" for name, value in (settings or {}).items()
+               if name in made_with and made_with[name] != value]
+    if changed:
+        raise InputError(f"{resume_flag}: {folder} holds a run made with {', '.join(changed)}; resume it with "
+                         "its settings, or choose another --output_dir")
 
 
-def mark_run_folder(folder, script: str, model: str) -> None:
-    """RUN_MARKER, on the main process, once every rank has passed check_run_folder."""
+def mark_run_folder(folder, script: str, model: str, settings: dict | None = None) -> None:
+    """RUN_MARKER, on the main process, once every rank has passed check_run_folder: whose run, of which
+    model, with which run_settings."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / RUN_MARKER).is_file():
-        (folder / RUN_MARKER).write_text(json.dumps({"script": script, "model": model}) + "\n")
+        (folder / RUN_MARKER).write_text(json.dumps({"script": script, "model": model,
+                                                     "settings": settings or {}}) + "\n")
 
 
 def starts_with(marker: bytes, size: int = 4096):

@@ -81,6 +81,9 @@ import generation
 import rollout
 import simulator
 
+GRPO_RUN_SETTINGS = ("lora_target_modules", "num_generations", "beta", "loss_type", "turn_credit_coef",
+                     "turn_credit_baseline", "turn_credit_scale")  # with common.RUN_SETTINGS: what a resume keeps
+
 # The offline demo. The paper's values in the comments; recipes/ hold them, and state
 # every key of this dict (tests/test_recipes.py): these are the parser's defaults under --config too.
 DEMO_DEFAULTS = dict(
@@ -456,12 +459,14 @@ def main(argv: list[str] | None = None) -> None:
     simulator.check_policy_prompts(simulator_args, dialogue_args.think)
     check_profile_count(len(profiles), dialogue_args.profiles, training_args)
     common.check_process_count(training_args.distributed_state)
+    settings = common.run_settings(common.RUN_SETTINGS + GRPO_RUN_SETTINGS, dialogue_args, simulator_args,
+                                   credit_args, model_args, training_args)
     common.check_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path,
-                            bool(training_args.resume_from_checkpoint), "--resume_from_checkpoint")
+                            bool(training_args.resume_from_checkpoint), "--resume_from_checkpoint", settings)
     # Several nodes: checkpoints hold every rank's DeepSpeed shard and resume reads them, so one folder for all.
     common.check_shared_folder(training_args.output_dir, training_args.distributed_state)
     if training_args.distributed_state.is_main_process:
-        common.mark_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path)
+        common.mark_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path, settings)
 
     transcripts = Path(training_args.output_dir) / "transcripts.jsonl"
     if training_args.resume_from_checkpoint:  # the checkpoint's steps will be played again: drop their rows

@@ -620,6 +620,7 @@ def load_checkpoint(folder: Path, model, optimizer, accelerator) -> int:
     return state["step"]
 
 
+PPO_RUN_SETTINGS = ("critic_model_name_or_path", "per_turn_rows", "gamma", "lam", "kl_coef")  # with common.RUN_SETTINGS
 CHECKPOINT_MEMBERS = ("state.pt", "critic.pt", "policy")  # what save_checkpoint writes on every launch
 
 
@@ -638,14 +639,16 @@ def main(argv=None) -> None:
     accelerator = Accelerator(log_with=None if args.report_to == "none" else args.report_to,
                               project_dir=str(output_dir))
     check_launch(args, accelerator)
-    common.check_run_folder(output_dir, "train_ppo.py", args.model_name_or_path, args.resume, "--resume")
+    settings = common.run_settings(common.RUN_SETTINGS + PPO_RUN_SETTINGS, args, dialogue_args, simulator_args)
+    common.check_run_folder(output_dir, "train_ppo.py", args.model_name_or_path, args.resume, "--resume", settings)
     common.check_shared_folder(output_dir, accelerator)  # several nodes: checkpoints need one folder for all
     if accelerator.is_main_process:
-        common.mark_run_folder(output_dir, "train_ppo.py", args.model_name_or_path)
+        common.mark_run_folder(output_dir, "train_ppo.py", args.model_name_or_path, settings)
     transcripts, metrics_file = run_files(output_dir, accelerator)
     checkpoint, start_step = None, 0
     if args.resume:  # the files' faults (a line cut short by a kill, ...) show now, not after the models load
-        checkpoint, start_step = resume_point(output_dir, transcripts, metrics_file, args.save_steps, accelerator)
+        checkpoint, start_step = resume_point(output_dir, transcripts, metrics_file, args.save_steps, args.max_steps,
+                                              accelerator)
     common.use_all_cpu_cores()
     seed_everything(args.seed, accelerator.process_index)
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
@@ -789,18 +792,22 @@ def run_files(output_dir: Path, accelerator) -> tuple[Path, Path]:
     return output_dir / f"transcripts{suffix}.jsonl", output_dir / "metrics.jsonl"
 
 
-def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_steps: int, accelerator):
+def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_steps: int, max_steps: int,
+                 accelerator):
     """(newest checkpoint or None, the step to start at), after dropping the rows of the steps that will be
     played again. Without a checkpoint a run resumes at step 0, as a run resumes at its last checkpoint:
     the rows written since were of steps that are played again, so they go, with a note. (Refusing instead
     would leave the user to delete the same rows by hand.) A finished run without checkpoints is refused:
-    starting it over would overwrite the policy it saved."""
+    starting it over would overwrite the policy it saved, and so is a resume with no steps left to train."""
     checkpoint = common.newest_whole_checkpoint(output_dir, CHECKPOINT_MEMBERS, accelerator.print)
     if checkpoint is None and transcripts.exists() and (output_dir / "critic.pt").is_file():
         raise common.InputError(f"--resume: {output_dir} holds a finished run without checkpoints (none every "
                                 f"--save_steps {save_steps}), so there is nothing to continue; choose another "
                                 "--output_dir for a new run")
     step = 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
+    if step >= max_steps:  # else it would drop the rows after the checkpoint, train nothing and exit 0
+        raise common.InputError(f"--resume: {checkpoint} holds {step} trained steps, as many as --max_steps "
+                                f"{max_steps} asks; raise --max_steps to train on")
     dropped = (rollout.keep_rows_before(transcripts, step),
                rollout.keep_rows_before(metrics_file, step, "metrics file") if accelerator.is_main_process else 0)
     if checkpoint is None and any(dropped):

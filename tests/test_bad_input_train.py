@@ -302,6 +302,45 @@ def test_a_trainer_continues_its_own_run_only_when_asked_and_only_with_its_model
     assert (output_dir / "transcripts.jsonl").read_text() == '{"step": 0}\n'
 
 
+@pytest.mark.parametrize("script, resume, changed, message", [
+    ("train_ppo.py", ["--resume"], ["--lora_r", "8"], "--lora_r 16 (this run: 8)"),
+    ("train_ppo.py", ["--resume"], ["--think", "--variant", "challenging"],
+     "--think False (this run: True), --max_reply_tokens 48 (this run: 32), --variant vanilla (this run: challenging)"),
+    ("train_grpo.py", ["--resume_from_checkpoint", "true"], ["--num_generations", "2"],
+     "--num_generations 4 (this run: 2)"),
+])
+def test_a_resume_with_settings_other_than_the_runs_is_refused_naming_them(tmp_path, model_folder, script, resume,
+                                                                           changed, message):
+    """A resume with --think on a run made without would mix two methods in one run; another LoRA rank fails on
+    weights of another shape."""
+    output_dir = tmp_path / "run"
+    argv = ["--model_name_or_path", str(model_folder), "--output_dir", str(output_dir)]
+    if script == "train_ppo.py":
+        args, dialogue_args, simulator_args = train_ppo.parse_arguments(argv)
+        settings = common.run_settings(common.RUN_SETTINGS + train_ppo.PPO_RUN_SETTINGS, args, dialogue_args,
+                                       simulator_args)
+    else:
+        dialogue_args, simulator_args, credit_args, training_args, model_args = train_grpo.parse_arguments(argv)
+        settings = common.run_settings(common.RUN_SETTINGS + train_grpo.GRPO_RUN_SETTINGS, dialogue_args,
+                                       simulator_args, credit_args, model_args, training_args)
+    common.mark_run_folder(output_dir, script, str(model_folder), settings)
+    (output_dir / "transcripts.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(common.InputError, match=re.escape(f"holds a run made with {message}; resume it with its "
+                                                          "settings, or choose another --output_dir")):
+        trainer_main(script)(argv + resume + changed)
+    assert (output_dir / "transcripts.jsonl").read_text() == '{"step": 0}\n'
+
+
+def test_a_folder_holding_only_its_own_runs_marker_is_a_fresh_folder(tmp_path):
+    """A run refused after marking its folder (a bad input found late) wrote nothing else: its rerun may start."""
+    common.mark_run_folder(tmp_path / "run", "train_ppo.py", "m")
+    common.check_run_folder(tmp_path / "run", "train_ppo.py", "another", False, "--resume")
+    assert not list((tmp_path / "run").iterdir())
+    common.mark_run_folder(tmp_path / "grpo", "train_grpo.py", "m")
+    with pytest.raises(common.InputError, match="holds a train_grpo.py run"):
+        common.check_run_folder(tmp_path / "grpo", "train_ppo.py", "m", False, "--resume")
+
+
 @needs_repo
 @pytest.mark.parametrize("script", ["train_ppo.py", "train_grpo.py", "eval_sentient.py"])
 def test_think_with_sages_policy_prompt_is_refused_before_any_model_loads(tmp_path, model_folder, script):

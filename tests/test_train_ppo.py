@@ -231,6 +231,15 @@ def test_resume_continues_where_an_interrupted_run_stopped_and_a_new_run_there_i
     finished = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
                                "--output_dir", str(output_dir), "--max_steps", "1"], capture_output=True, text=True)
     assert finished.returncode != 0 and "already holds a run" in finished.stderr
+    rows = (output_dir / "transcripts.jsonl").read_text()
+    finished = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
+                               "--output_dir", str(output_dir), "--max_think_tokens", "4", "--max_reply_tokens", "6",
+                               "--max_steps", "3", "--resume", *small],
+                              capture_output=True, text=True)  # nothing left to train: refused, no row dropped
+    assert finished.returncode != 0 and finished.stderr.strip().endswith(
+        f"--resume: {output_dir / 'checkpoint-4'} holds 4 trained steps, as many as --max_steps 3 asks; raise "
+        "--max_steps to train on")
+    assert (output_dir / "transcripts.jsonl").read_text() == rows
 
 
 def test_per_turn_rows_drop_earlier_thoughts_and_train_one_turn_each(tiny_model_dir):
