@@ -113,8 +113,9 @@ class GeneralEvalArguments:
 
     def __post_init__(self):
         common.check_options(
-            self, tasks=(lambda value: task_list(value) and set(task_list(value)) <= set(TASKS),
-                         f"one or more of {', '.join(TASKS)}, comma-separated"),
+            self, tasks=(lambda value: task_list(value) and set(task_list(value)) <= set(TASKS)
+                         and len(set(task_list(value))) == len(task_list(value)),  # a repeat is graded twice
+                         f"one or more of {', '.join(TASKS)}, comma-separated, each once"),
             limit=(lambda value: value >= 1, "at least 1 (leave it out for every item)"),
             livecodebench_release=(lambda value: value in LIVECODEBENCH_FILES,
                                    f"one of {', '.join(LIVECODEBENCH_FILES)}"),
@@ -723,6 +724,8 @@ def result_files(base: str, trained: str) -> dict[str, tuple[Path, Path]]:
     for path in (base_path, trained_path):
         if not path.exists():
             raise DataError(f"{path}: not found")
+    if base_path.samefile(trained_path):
+        raise DataError(f"--compare: {base} and {trained} are the same run; give two runs")
     if base_path.is_file() and trained_path.is_file():
         if base_path.stem != trained_path.stem or base_path.stem not in TASKS:
             raise DataError(f"compare result files of the same task, named <task>.jsonl ({', '.join(TASKS)})")

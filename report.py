@@ -360,8 +360,11 @@ def main(argv=None) -> None:
     if (args.run is None) == (args.compare is None):
         parser.error("give one run, or --compare A B")
     try:
-        inputs = [path for given in args.compare or [args.run]
-                  for path in (given.glob("transcripts*.jsonl") if given.is_dir() else [given])]
+        read = [{path.resolve() for path in (given.glob("transcripts*.jsonl") if given.is_dir() else [given])}
+                for given in args.compare or [args.run]]  # each input's transcript files
+        inputs = [path for paths in read for path in paths]
+        if args.compare and read[0] & read[1]:
+            raise ReportError(f"--compare: {args.compare[0]} and {args.compare[1]} are the same run; give two runs")
         if args.compare:
             second = args.compare[1]
             default = (second if second.is_dir() else second.parent) / "compare.html"

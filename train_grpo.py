@@ -160,6 +160,8 @@ def parse_arguments(argv: list[str] | None = None):
         check_turn_credit(credit_args, training_args)
     except common.ArgumentError as error:
         parser.error(str(error))
+    if str(training_args.resume_from_checkpoint).lower() in ("false", "none"):  # a path to transformers
+        training_args.resume_from_checkpoint = None
     return dialogue_args, simulator_args, credit_args, training_args, model_args
 
 

@@ -247,3 +247,13 @@ def test_an_output_on_a_full_filesystem_is_refused_before_any_work(tmp_path, mon
     assert "only 1 MB free" in exit_message(report.main, [str(run)])
     with pytest.raises(common.InputError, match="only 1 MB free"):
         common.check_output_folder(tmp_path / "new", "output_dir")
+
+
+def test_report_compare_of_a_run_with_itself_is_refused(tmp_path):
+    """A run against its own transcripts (or a link to it) would make a page of zero differences."""
+    run = steps_run(tmp_path / "run")
+    (tmp_path / "link").symlink_to(run)
+    for second in (run, run / "transcripts.jsonl", tmp_path / "link"):
+        assert exit_message(report.main, ["--compare", str(run), str(second)]) == (
+            f"error: --compare: {run} and {second} are the same run; give two runs")
+    assert not (run / "compare.html").exists()

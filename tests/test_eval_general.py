@@ -439,6 +439,18 @@ def test_compare_command_prints_a_table_from_two_result_folders(tmp_path):
     assert "75.0" in line and "25.0" in line and "-50.0" in line and line.endswith("DROP")
 
 
+def test_compare_of_a_run_with_itself_and_a_task_given_twice_are_refused(tmp_path, capsys):
+    (tmp_path / "base").mkdir()
+    write_jsonl(tmp_path / "base" / "math500.jsonl", math_rows([True, False]))
+    (tmp_path / "link").symlink_to(tmp_path / "base")
+    with pytest.raises(eval_general.DataError, match="--compare: .*base and .*link are the same run; give two runs"):
+        eval_general.compare(str(tmp_path / "base"), str(tmp_path / "link"))
+    with pytest.raises(SystemExit) as stopped:  # each item would be graded and written twice
+        eval_general.main(["--tasks", "humaneval,humaneval", "--limit", "2"])
+    assert stopped.value.code == 2
+    assert "--tasks 'humaneval,humaneval': must be one or more of " in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------------------------
 # End to end: a real tiny model, resuming, and an endpoint in think mode
 # --------------------------------------------------------------------------------------------

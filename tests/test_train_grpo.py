@@ -168,6 +168,12 @@ def test_max_steps_minus_one_leaves_the_length_to_the_epochs():
     assert train_grpo.parse_arguments(["--max_steps", "-1"])[3].max_steps == -1
 
 
+@pytest.mark.parametrize("given, resume", [("false", None), ("False", None), ("true", "true"), ("run/checkpoint-10",
+                                                                                                  "run/checkpoint-10")])
+def test_resume_from_checkpoint_false_starts_a_new_run_not_a_path_named_false(given, resume):
+    assert train_grpo.parse_arguments(["--resume_from_checkpoint", given])[3].resume_from_checkpoint == resume
+
+
 @pytest.mark.slow
 def test_impossible_option_values_are_refused_before_any_model_loads(tmp_path):
     finished = subprocess.run([sys.executable, str(REPO / "train_grpo.py"), "--output_dir", str(tmp_path / "run"),
