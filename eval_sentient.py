@@ -222,15 +222,16 @@ def run_record(args: EvalArguments, simulator_args: simulator.SimulatorArguments
             **{key: getattr(simulator_args, option) for key, option in simulator_settings.items()}}
 
 
-def finished_ids(path: Path, made_by: dict, profiles: list, profiles_file: str) -> set[str]:
+def finished_ids(path: Path, made_by: dict, profiles: list, profiles_file: str, limit: int | None) -> set[str]:
     """Scenarios already in our output (none when it does not exist yet), refused when they are not among
-    `profiles` or another model or other settings made them."""
+    `profiles` (the first `limit` of the file) or another model or other settings made them."""
     rows = list(result_rows(path, skip_cut_last_line=True)) if path.is_file() else []
     done = {row["id"] for row in rows}
     unknown = done - {p.id for p in profiles}
     if unknown:
-        raise ResultFileError(f"{path} holds results for scenarios not in {profiles_file} (e.g. "
-                              f"{sorted(unknown)[0]}); choose another --output")
+        where = f"the first {limit} of {profiles_file} (--limit {limit})" if limit else profiles_file
+        raise ResultFileError(f"{path} holds results for scenarios not in {where} (e.g. {sorted(unknown)[0]}); "
+                              f"choose another --output{' or raise --limit' if limit else ''}")
     common.check_made_by(path, rows, made_by)
     return done
 
@@ -326,11 +327,12 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
     common.check_vllm(args.use_vllm and not args.model_base_url)
     output = Path(args.output) if args.output else default_output(args)
     # Its folder is made with the first row written; a file of rows, ours, is resumed (finished_ids).
-    common.check_output_file(output, "output", common.starts_with(b'{"'), [args.profiles])
+    # Ours: rows that say who made them (a training run's transcripts are rows too, without it).
+    common.check_output_file(output, "output", common.starts_with(b'"made_by": {', 1 << 22), [args.profiles])
     summary_path = output.with_suffix(".summary.json")
     common.check_output_file(summary_path, "output", common.json_object_with("made_by"), [args.profiles, output])
     made_by = run_record(args, simulator_args)
-    done = finished_ids(output, made_by, profiles, args.profiles)
+    done = finished_ids(output, made_by, profiles, args.profiles, args.limit)
     if len(done) < len(profiles):
         common.check_local_model(args)
         chat = simulator.make_chat(simulator_args)
@@ -346,7 +348,7 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
                 else:
                     play_local(args, simulator_args, chat, profiles, done, output, progress)
             except KeyboardInterrupt:  # every finished scenario's row is in the output already
-                finished = finished_ids(output, made_by, profiles, args.profiles)
+                finished = finished_ids(output, made_by, profiles, args.profiles, args.limit)
                 common.exit_interrupted(f"{len(finished)} of {len(profiles)} scenarios are in "
                                         f"{output}; run the same command again to play the rest")
     summary = summarize(read_results(output, skip_cut_last_line=True), args.bootstrap_samples)

@@ -359,7 +359,8 @@ def parse_analysis(text: str) -> tuple[int, str]:
         raise AnalysisFormatError("the 'CHANGE:' line must be the last line")
     value = _CHANGE_VALUE.fullmatch(lines[-1])
     if not value:
-        raise AnalysisFormatError(f"'CHANGE:' must be followed by a signed integer, got {lines[-1].strip()!r:.60}")
+        raise AnalysisFormatError(f"'CHANGE:' must be followed by a signed integer of at most 3 digits, got "
+                                  f"{lines[-1].strip()!r:.60}")
     reasoning = "\n".join(lines[:-1]).strip()
     if not reasoning:
         raise AnalysisFormatError("the reasoning before the 'CHANGE:' line is empty")

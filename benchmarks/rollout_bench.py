@@ -144,6 +144,9 @@ def play(args, model, tokenizer, base_url: str, concurrency: int, starts) -> dic
             "turn_latencies": turn_latencies, "ideal": generate.seconds + sum(slowest), "totals": chat.totals}
 
 
+MAX_DIALOGUES, MAX_TURNS = 1024, 32
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dialogues", type=int, default=32)
@@ -160,8 +163,16 @@ def main(argv=None) -> None:
         ("reply_tokens", args.reply_tokens, "at least 1"), ("concurrency", args.concurrency, "at least 1"),
         ("median", args.median, "a finite number above 0"), ("sigma", args.sigma, "a finite number, 0 or more"))
         if not math.isfinite(value) or value < (0 if name == "sigma" else 1e-9 if name == "median" else 1)]
+    # Beyond these the sequential run alone (dialogues x turns x 2 calls, one at a time) takes days and the
+    # dialogues' tensors outgrow memory, with nothing said while it happens.
+    bad += [f"--{name} must be at most {most}" for name, value, most in (
+        ("dialogues", args.dialogues, MAX_DIALOGUES), ("turns", args.turns, MAX_TURNS)) if value > most]
     if bad:
         parser.error("; ".join(bad))
+    sequential_seconds = args.dialogues * args.turns * 2 * args.median * math.exp(args.sigma ** 2 / 2)
+    if sequential_seconds > 60:
+        print(f"the run one dialogue at a time takes about {sequential_seconds / 60:.0f} min of simulator waits "
+              "alone", flush=True)
     common.use_all_cpu_cores()
     try:
         model, tokenizer = load_policy(args.policy)

@@ -908,8 +908,11 @@ def test_a_benchmark_killed_mid_row_resumes_from_its_whole_rows(tmp_path, capsys
     whole = {"id": "a", "emo_point": 40, "history": [], "made_by": {"model": "m"}}
     path.write_text(json.dumps(whole) + "\n" + '{"id": "b", "emo_po')
     profiles = [types.SimpleNamespace(id=id_) for id_ in ("a", "b")]
-    assert eval_sentient.finished_ids(path, {"model": "m"}, profiles, "bench.jsonl") == {"a"}
-    assert eval_sentient.finished_ids(tmp_path / "none.jsonl", {"model": "m"}, profiles, "bench.jsonl") == set()
+    assert eval_sentient.finished_ids(path, {"model": "m"}, profiles, "bench.jsonl", None) == {"a"}
+    assert eval_sentient.finished_ids(tmp_path / "none.jsonl", {"model": "m"}, profiles, "bench.jsonl", None) == set()
+    with pytest.raises(eval_sentient.ResultFileError, match=r"holds results for scenarios not in the first 1 of "
+                       r"bench.jsonl \(--limit 1\) \(e.g. a\); choose another --output or raise --limit"):
+        eval_sentient.finished_ids(path, {"model": "m"}, profiles[1:], "bench.jsonl", 1)
 
 
 def played_rows(path, args, simulator_args=None):
@@ -948,15 +951,20 @@ def test_a_local_models_record_changes_with_its_weights_and_names_an_adapters_ba
 
 
 @pytest.mark.parametrize("content, message", [
-    ('{"id": "en-bench-01", "emo_point": 50, "history": []}\n', "row 1 does not say which model and settings made it"),
+    ('{"id": "en-bench-01", "emo_point": 50, "history": [], "made_by": MADE_BY}\n'
+     '{"id": "en-bench-02", "emo_point": 50, "history": []}\n', "row 2 does not say which model and settings made it"),
+    ('{"id": "en-bench-01", "emo_point": 50, "history": []}\n', "a file this script did not write"),
+    ('{"id": "en-train-01", "emo_point": 50, "history": [], "step": 0, "turns": 1}\n',  # a training transcript
+     "a file this script did not write"),
     ("# my notes\n", "a file this script did not write"),
 ])
 def test_a_benchmark_output_not_made_by_a_recorded_run_is_refused(tmp_path, content, message):
     output = tmp_path / "r.jsonl"
+    args = eval_sentient.EvalArguments(model="no/such-model", output=str(output))
+    content = content.replace("MADE_BY", json.dumps(eval_sentient.run_record(args, simulator.SimulatorArguments())))
     output.write_text(content)
     with pytest.raises(common.InputError, match=message):
-        eval_sentient.evaluate(eval_sentient.EvalArguments(model="no/such-model", output=str(output)),
-                               simulator.SimulatorArguments())
+        eval_sentient.evaluate(args, simulator.SimulatorArguments())
     assert output.read_text() == content
 
 

@@ -236,3 +236,15 @@ def test_every_numeric_option_has_a_rule_that_accepts_and_refuses_exactly_what_i
             assert test(10 ** 6), (name, what)
         else:
             assert test(high) and not test(high + step), (name, what)
+
+
+def test_a_model_cache_that_is_a_file_is_refused_before_the_packaged_model_converts(tmp_path, monkeypatch):
+    (tmp_path / "r.txt").write_text("")
+    monkeypatch.setattr(common, "MODEL_CACHE", tmp_path / "r.txt")
+    with pytest.raises(common.InputError, match=r"^\$RLVER_CACHE .*r\.txt: .*r\.txt is a file, not a folder$"):
+        common.resolve_model(common.PACKAGED_MODEL)
+
+
+def test_a_device_given_as_an_input_file_is_named_as_such_not_as_missing():
+    with pytest.raises(common.InputError, match="^/dev/null: not a regular file; give the profile file as a file$"):
+        common.read_text("/dev/null", "profile file")
