@@ -680,6 +680,8 @@ def evaluate(args: GeneralEvalArguments) -> dict:
         try:
             rows = run_task(task, data[task], done[task], args, backend, output_dir, tqdm)
         except KeyboardInterrupt:  # every graded batch's rows are in the task's file already
+            if not any(output_dir.glob("*.jsonl")):
+                common.exit_interrupted("before any item was graded; nothing was written")
             common.exit_interrupted(f"the graded items are in {output_dir}; run the same command again to "
                                     "grade the rest")
         summary[task] = summarize(task, rows)

@@ -34,6 +34,7 @@ SAGE matches 再见/拜拜 anywhere in the message.
 """
 import asyncio
 import json
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -378,8 +379,9 @@ def main(argv=None) -> None:
         sys.exit(f"error: {error}")
     print(format_summary(summary, f"Sentient benchmark: {summary['results']} ({args.model}"
                                   f"{', think' if args.think else ''}; {simulator_args.backend} simulator)"))
-    print(f"\nread the dialogues: python report.py {summary['results']}   "
-          f"(against another model: python report.py --compare OTHER.jsonl {summary['results']})")
+    results = shlex.quote(summary["results"])  # a command to paste: a path with spaces or quotes stays one
+    print(f"\nread the dialogues: python report.py {results}   "
+          f"(against another model: python report.py --compare OTHER.jsonl {results})")
 
 
 if __name__ == "__main__":

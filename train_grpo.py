@@ -63,6 +63,7 @@ length/reply_tokens_per_turn; simulator/seconds_per_turn. Transcripts of every d
 """
 import json
 import os
+import shlex
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -527,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer.push_to_hub()
     runner.close()
     if trainer.accelerator.is_main_process:
-        print(f"read the dialogues: python report.py {training_args.output_dir}")
+        print(f"read the dialogues: python report.py {shlex.quote(training_args.output_dir)}")
 
 
 if __name__ == "__main__":

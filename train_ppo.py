@@ -83,6 +83,7 @@ row in a micro-batch adds its activations and output-layer chunk (~16 GB at 1638
 recipe runs micro-batches of one dialogue; --kl_coef > 0 would add a frozen bf16 reference, 15.2 GB.
 """
 import random
+import shlex
 import shutil
 import sys
 import time
@@ -733,7 +734,7 @@ def main(argv=None) -> None:
         torch.save(networks.critic.state_dict(), output_dir / "critic.pt")
     accelerator.end_training()
     runner.close()
-    accelerator.print(f"read the dialogues: python report.py {output_dir}")
+    accelerator.print(f"read the dialogues: python report.py {shlex.quote(str(output_dir))}")
 
 
 def parse_arguments(argv=None):

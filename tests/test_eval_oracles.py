@@ -994,6 +994,26 @@ def test_ctrl_c_in_the_benchmark_keeps_the_finished_rows_and_says_how_to_go_on(t
                                                "same command again to play the rest")
 
 
+@pytest.mark.parametrize("graded", [0, 1])
+def test_ctrl_c_in_the_general_evaluation_says_what_was_kept(graded, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+
+    def grade_then_ctrl_c(task, data, done, args, backend, output_dir, tqdm):
+        if graded:  # run_task makes the folder with its first rows
+            output_dir.mkdir()
+            eval_general.common.append_json_lines(output_dir / f"{task}.jsonl", [{"id": data[0]["id"]}])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_general, "make_backend", lambda args: None)
+    monkeypatch.setattr(eval_general, "run_task", grade_then_ctrl_c)
+    with pytest.raises(SystemExit) as stopped:
+        eval_general.main(["--tasks", "humaneval", "--limit", "2", "--output_dir", str(out)])
+    assert stopped.value.code == 130
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said == (f"interrupted: the graded items are in {out}; run the same command again to grade the rest"
+                    if graded else "interrupted: before any item was graded; nothing was written")
+
+
 def test_ctrl_c_while_typing_a_reply_leaves_the_dialogue_in_one_line(monkeypatch, capsys):
     import builtins
 
