@@ -670,6 +670,8 @@ class ChatClient:
             raise InputError(f"the {role} endpoint's address {base_url}: must be {URL[1]}")
         # Local servers (vLLM) accept any key; commercial APIs need the named variable set.
         api_key = os.environ.get(api_key_env) or "EMPTY"
+        if api_key == "EMPTY" and api_key_env != "OPENAI_API_KEY":  # a variable named on purpose, left unset
+            print(f"note: ${api_key_env} is not set: the {role} endpoint {base_url} gets no API key", file=sys.stderr)
         # The SDK retries connection errors, timeouts, 429 (after its Retry-After) and 5xx, at most
         # max_retries times, with exponential back-off and jitter; the hook counts its attempts.
         http_client = openai.DefaultAsyncHttpxClient(event_hooks={"request": [self._count_attempt]})

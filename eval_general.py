@@ -667,6 +667,8 @@ def evaluate(args: GeneralEvalArguments) -> dict:
     tasks = task_list(args.tasks)
     output_dir = Path(args.output_dir) if args.output_dir else default_output_dir(args)
     common.check_output_folder(output_dir, "output_dir")  # made with the first rows written
+    if (output_dir / common.RUN_MARKER).is_file():  # its files would mix with the run's
+        raise DataError(f"--output_dir {output_dir}: a training run's folder; give a folder of its own")
     common.check_local_model(args)  # a mistyped --model fails in a second, not after the data loads
     common.check_vllm(args.use_vllm and not args.model_base_url)
     data = {task: LOADERS[task](args) for task in tasks}  # before the model: bad data fails in seconds

@@ -326,6 +326,14 @@ def test_a_general_summary_of_someone_else_or_another_model_is_refused_and_kept(
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
+def test_a_training_runs_folder_is_refused_as_the_general_evaluations_output(no_general_model, tmp_path, capsys):
+    common.mark_run_folder(tmp_path / "run", "train_ppo.py", "m")
+    status, error = outcome(eval_general.main, ["--tasks", "humaneval", "--output_dir", tmp_path / "run"], capsys)
+    assert status == 1 and error == (f"error: --output_dir {tmp_path / 'run'}: a training run's folder; give a folder "
+                                     "of its own")
+    assert [path.name for path in (tmp_path / "run").iterdir()] == [common.RUN_MARKER]
+
+
 def test_a_sentient_summary_file_this_script_did_not_write_is_refused_before_any_dialogue(no_sentient_model,
                                                                                           tmp_path, capsys):
     profiles = benchmark_profiles(tmp_path / "bench.jsonl")

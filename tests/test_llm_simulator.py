@@ -323,6 +323,16 @@ def test_an_endpoint_address_that_is_not_an_http_url_is_refused_while_parsing(ur
         ChatClient(url, "m")
 
 
+def test_an_api_key_variable_named_on_purpose_but_unset_is_noted(monkeypatch, capsys):
+    monkeypatch.delenv("MY_SIM_KEY", raising=False)
+    ChatClient("http://127.0.0.1:9/v1", "m", api_key_env="MY_SIM_KEY")
+    assert capsys.readouterr().err == ("note: $MY_SIM_KEY is not set: the simulator endpoint http://127.0.0.1:9/v1 "
+                                       "gets no API key\n")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    ChatClient("http://127.0.0.1:9/v1", "m")  # the default, unset for a local server: nothing to say
+    assert capsys.readouterr().err == ""
+
+
 def test_check_names_a_model_the_server_does_not_serve():
     with FakeOpenAIServer(models=["other-model"]) as server:
         with pytest.raises(EndpointError, match="'sim-model' is not served"):
