@@ -502,6 +502,8 @@ def run_settings(names, *options) -> dict:
         if holder is not None:
             value = getattr(holder, name)
             settings[name] = value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+    if settings.get("think") is False:  # the thought's budget shapes only think runs
+        settings.pop("max_think_tokens", None)
     return settings
 
 

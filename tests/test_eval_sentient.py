@@ -205,7 +205,7 @@ def test_an_interrupted_local_run_resumes_and_plays_what_the_whole_run_would(tin
 
 
 def test_a_result_file_from_other_scenarios_is_refused(tiny_model_dir, tmp_path):
-    output = write_jsonl(tmp_path / "other.jsonl", [official_row("not-ours", [45])])
+    output = write_jsonl(tmp_path / "other.jsonl", [{**official_row("not-ours", [45]), "made_by": {}}])
     with pytest.raises(ResultFileError, match="not in"):
         eval_sentient.evaluate(EvalArguments(model=str(tiny_model_dir), profiles=str(benchmark_profiles(
             tmp_path / "bench.jsonl")), output=str(output)), simulator.SimulatorArguments())
