@@ -390,12 +390,15 @@ def resume_command(option: str, value: str | None = None) -> str:
     return "python " + shlex.join([Path(sys.argv[0]).name, *kept, option, *([value] if value is not None else [])])
 
 
-def note_interruption(folder, step: int, checkpoint) -> None:
-    """Mark a run stopped by Ctrl-C in its RUN_MARKER: after which step, and the checkpoint that holds it."""
+def note_interruption(folder, step: int, checkpoint, resume: str) -> None:
+    """Mark a run stopped by Ctrl-C in its RUN_MARKER (after which step, the checkpoint that holds it), and
+    say so with the `resume` command. Steps count from 0, as in the transcripts; checkpoint-N holds N steps."""
     marker = Path(folder) / RUN_MARKER
     made = json.loads(marker.read_text())
     made.setdefault("interrupted", []).append({"after_step": step, "checkpoint": str(checkpoint)})
     marker.write_text(json.dumps(made) + "\n")
+    print(f"interrupted after step {step} ({step + 1} step{'s' if step else ''} trained): {checkpoint} holds its "
+          f"state; continue with: {resume}", file=sys.stderr)
 
 
 def model_record(model: str, base_url: str | None = None) -> dict:

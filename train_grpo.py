@@ -518,9 +518,8 @@ def main(argv: list[str] | None = None) -> None:
         folder = Path(training_args.output_dir) / f"checkpoint-{trainer.state.global_step}"
         runner.close()
         if trainer.accelerator.is_main_process:
-            common.note_interruption(training_args.output_dir, trainer.state.global_step - 1, folder)
-            print(f"interrupted after step {trainer.state.global_step - 1}: {folder} holds its state; continue "
-                  f"with: {common.resume_command('--resume_from_checkpoint', str(folder))}", file=sys.stderr)
+            common.note_interruption(training_args.output_dir, trainer.state.global_step - 1, folder,
+                                     common.resume_command("--resume_from_checkpoint", str(folder)))
         raise SystemExit(130)
     trainer.save_model(training_args.output_dir)
     trainer.save_state()

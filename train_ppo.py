@@ -886,9 +886,7 @@ def stop_interrupted(output_dir: Path, step: int, saved: bool, model, optimizer,
     if not saved:
         save_checkpoint(folder, step, model, optimizer, tokenizer, accelerator)
     if accelerator.is_main_process:
-        common.note_interruption(output_dir, step - 1, folder)
-        print(f"interrupted after step {step - 1}: {folder} holds its state; continue with: "
-              f"{common.resume_command('--resume')}", file=sys.stderr)
+        common.note_interruption(output_dir, step - 1, folder, common.resume_command("--resume"))
     raise SystemExit(130)
 
 

@@ -273,7 +273,7 @@ def test_ctrl_c_lets_the_step_finish_saves_its_checkpoint_and_says_how_to_contin
     said = capsys.readouterr().err
     checkpoint = run / "checkpoint-1"
     assert "Ctrl-C: stopping once this step is done, with a checkpoint" in said
-    assert f"interrupted after step 0: {checkpoint} holds its state; continue with: python train_grpo.py" in said
+    assert f"interrupted after step 0 (1 step trained): {checkpoint} holds its state; continue with: python train_grpo.py" in said
     assert said.rstrip().endswith(f"--resume_from_checkpoint {checkpoint}")
     assert common.checkpoint_problem(checkpoint, ("trainer_state.json",)) is None
     assert json.loads((run / "rlver-run.json").read_text())["interrupted"] == [

@@ -569,7 +569,7 @@ def test_ctrl_c_finishes_the_step_saves_it_marks_the_run_and_says_how_to_continu
     assert stopped.value.code == 130
     said = capsys.readouterr().err
     assert "Ctrl-C: stopping once this step is done, with a checkpoint" in said
-    assert (f"interrupted after step 0: {run / 'checkpoint-1'} holds its state; continue with: python train_ppo.py "
+    assert (f"interrupted after step 0 (1 step trained): {run / 'checkpoint-1'} holds its state; continue with: python train_ppo.py "
             f"--model_name_or_path {tiny_model_dir}") in said and said.rstrip().endswith("--save_steps 10 --resume")
     assert json.loads((run / "rlver-run.json").read_text())["interrupted"] == [
         {"after_step": 0, "checkpoint": str(run / "checkpoint-1")}]
@@ -703,7 +703,8 @@ def test_ctrl_c_reaching_one_rank_stops_both_after_the_same_step_with_one_whole_
     last = steps[0][-1]
     assert steps[0] == steps[1] == [step for step in range(last + 1) for _ in range(2)], said[-3000:]
     assert last < 39 and "exitcode  : 130" in said
-    assert f"interrupted after step {last}: {run / f'checkpoint-{last + 1}'} holds its state" in said
+    assert (f"interrupted after step {last} ({last + 1} step{'s' if last else ''} trained): "
+            f"{run / f'checkpoint-{last + 1}'} holds its state") in said
     assert [path.name for path in run.glob("checkpoint-*")] == [f"checkpoint-{last + 1}"]
     assert common.checkpoint_problem(run / f"checkpoint-{last + 1}", train_ppo.CHECKPOINT_MEMBERS) is None
     assert json.loads((run / "rlver-run.json").read_text())["interrupted"] == [
