@@ -775,15 +775,19 @@ def check_inputs(args: PPOArguments, dialogue_args, simulator_args) -> tuple[str
 
 
 def check_launch(args: PPOArguments, accelerator) -> None:
-    """Refuse the launches this loop cannot run, before any model loads."""
+    """Refuse the launches this loop cannot run, before any model loads; said by the main process only (every
+    rank refuses alike: eight ranks would say it eight times)."""
     common.check_process_count(accelerator)
+    problem = None
     if args.use_vllm and accelerator.num_processes > 1:
-        raise SystemExit("--use_vllm in train_ppo.py supports a single training process (the weights are pushed "
-                         "from one); with several, generate with transformers (the default)")
+        problem = ("--use_vllm in train_ppo.py supports a single training process (the weights are pushed from one); "
+                   "with several, generate with transformers (the default)")
     if accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
-        raise SystemExit("train_ppo.py does not support DeepSpeed ZeRO-3: its rollout generates with the policy's "
-                         "weights partitioned across ranks (it would hang) and its saves would hold empty tensors; "
-                         "launch with accelerate_configs/zero2.yaml")
+        problem = ("train_ppo.py does not support DeepSpeed ZeRO-3: its rollout generates with the policy's weights "
+                   "partitioned across ranks (it would hang) and its saves would hold empty tensors; launch with "
+                   "accelerate_configs/zero2.yaml")
+    if problem:
+        raise SystemExit(problem if accelerator.is_main_process else 1)
 
 
 def run_files(output_dir: Path, accelerator) -> tuple[Path, Path]:

@@ -536,7 +536,8 @@ def test_launches_the_loop_cannot_run_are_refused_before_any_model_loads(zero_st
     from accelerate.utils import DeepSpeedPlugin, DistributedType
 
     accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=processes,
-                                  state=SimpleNamespace(deepspeed_plugin=DeepSpeedPlugin(zero_stage=zero_stage)))
+                                  state=SimpleNamespace(deepspeed_plugin=DeepSpeedPlugin(zero_stage=zero_stage)),
+                                  is_main_process=True)
     args = train_ppo.PPOArguments(use_vllm=use_vllm)
     if refused is None:
         train_ppo.check_launch(args, accelerator)
@@ -544,6 +545,10 @@ def test_launches_the_loop_cannot_run_are_refused_before_any_model_loads(zero_st
     with pytest.raises(SystemExit, match=refused) as stopped:
         train_ppo.check_launch(args, accelerator)
     assert "\n" not in str(stopped.value) and ("zero2.yaml" in str(stopped.value) or "transformers" in str(stopped.value))
+    accelerator.is_main_process = False  # the other ranks refuse too, without saying it again
+    with pytest.raises(SystemExit) as stopped:
+        train_ppo.check_launch(args, accelerator)
+    assert stopped.value.code == 1
 
 
 def test_a_bf16_full_fine_tune_without_deepspeed_is_refused(tiny_model_dir, tmp_path):
