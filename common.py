@@ -49,8 +49,9 @@ def warn(message: str) -> None:
 
 
 def check_file(path, what: str, error=InputError) -> Path:
-    """`path` as a Path, if it is an existing file; `what` names it in the error ("profile file")."""
-    path = Path(path)
+    """`path` as a Path, if it is an existing file; `what` names it in the error ("profile file"). A leading
+    ~ is the home folder, as a shell would read it (a config file's paths reach us unexpanded)."""
+    path = Path(path).expanduser()
     if path.is_dir():
         raise error(f"{path}: a folder; give the {what} itself")
     if path.exists() and not path.is_file():  # /dev/null, a pipe (/dev/stdin): read once or never

@@ -791,6 +791,8 @@ def main(argv=None) -> None:
         summary = evaluate(args)
     except (common.InputError, common.EndpointError) as error:
         sys.exit(f"error: {error}")
+    except OSError as error:  # a full disk, a name too long, a folder removed while writing
+        sys.exit(f"error: {error} (the graded items' rows are kept: fix it, then run the same command)")
     print(format_summary(summary))
     print(f"\nper-item results and summary.json in "
           f"{Path(args.output_dir) if args.output_dir else default_output_dir(args)}")

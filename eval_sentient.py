@@ -377,6 +377,8 @@ def main(argv=None) -> None:
         summary = evaluate(args, simulator_args)
     except (common.InputError, common.EndpointError) as error:
         sys.exit(f"error: {error}")
+    except OSError as error:  # a full disk, a name too long, a folder removed while writing
+        sys.exit(f"error: {error} (the finished scenarios' rows are kept: fix it, then run the same command)")
     print(format_summary(summary, f"Sentient benchmark: {summary['results']} ({args.model}"
                                   f"{', think' if args.think else ''}; {simulator_args.backend} simulator)"))
     results = shlex.quote(summary["results"])  # a command to paste: a path with spaces or quotes stays one

@@ -680,7 +680,7 @@ def _typed_replies():
     while True:
         try:
             reply = input("[you] ")
-        except EOFError:
+        except (EOFError, RuntimeError):  # the end of the input; RuntimeError: no stdin at all (closed)
             return
         if not reply.strip():
             return

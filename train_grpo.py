@@ -475,8 +475,13 @@ def main(argv: list[str] | None = None) -> None:
     if training_args.resume_from_checkpoint:  # the checkpoint's steps will be played again: drop their rows
         training_args.resume_from_checkpoint = str(resume_checkpoint(training_args))
         state = Path(training_args.resume_from_checkpoint) / "trainer_state.json"
+        trained = json.loads(state.read_text())["global_step"]
+        if training_args.max_steps != -1 and trained >= training_args.max_steps:  # else: a step past max_steps
+            raise common.InputError(f"--resume_from_checkpoint: {training_args.resume_from_checkpoint} holds {trained} "
+                                    f"trained steps, as many as --max_steps {training_args.max_steps} asks; raise "
+                                    "--max_steps to train on")
         for path in [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]:
-            rollout.keep_rows_before(path, json.loads(state.read_text())["global_step"])
+            rollout.keep_rows_before(path, trained)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, simulator.make_chat(simulator_args))
     runner.check_chat()  # fail now, not after loading the model
@@ -536,6 +541,9 @@ if __name__ == "__main__":
         main()
     except (common.InputError, common.EndpointError, simulator.SimulatorError) as error:  # say what, no traceback
         raise SystemExit(f"error: {error}") from None
+    except OSError as error:  # a full disk, a name too long, a folder removed while writing
+        raise SystemExit(f"error: {error} (the checkpoints saved before it are whole: fix it, then continue from "
+                         "the newest with --resume_from_checkpoint true)") from None
     except KeyboardInterrupt:  # during a step, StopOnCtrlC saves first; this is set-up or the final save
         common.exit_interrupted("outside a training step: nothing new saved; the checkpoints in --output_dir are "
                                 "whole (continue from the newest with --resume_from_checkpoint true)")

@@ -964,6 +964,9 @@ if __name__ == "__main__":
         main()
     except (common.InputError, common.EndpointError) as error:  # bad input or endpoint: say what, no traceback
         raise SystemExit(f"error: {error}") from None
+    except OSError as error:  # a full disk, a name too long, a folder removed while writing
+        raise SystemExit(f"error: {error} (the checkpoints saved before it are whole: fix it, then continue with "
+                         "--resume)") from None
     except KeyboardInterrupt:  # during a step, common.StopRequest saves first; this is set-up or the final save
         common.exit_interrupted("outside a training step: nothing new saved; the checkpoints in --output_dir are "
                                 "whole (continue from the newest with --resume)")

@@ -123,7 +123,7 @@ def load_policy(name: str):
 
 
 def play(args, model, tokenizer, base_url: str, concurrency: int, starts) -> dict:
-    chat = TimedChat(base_url, "sim-model", median=args.median, sigma=args.sigma, timeout=60, max_retries=0)
+    chat = TimedChat(base_url, "sim-model", median=args.median, sigma=args.sigma, timeout=CALL_TIMEOUT, max_retries=0)
     dialogue_args = rollout.DialogueArguments(max_turns=args.turns, max_reply_tokens=args.reply_tokens,
                                               max_dialogue_tokens=4096, start_emotion=50,
                                               simulator_concurrency=concurrency)
@@ -145,6 +145,7 @@ def play(args, model, tokenizer, base_url: str, concurrency: int, starts) -> dic
 
 
 MAX_DIALOGUES, MAX_TURNS = 1024, 32
+CALL_TIMEOUT = 60  # seconds a simulated call may take before the client gives up
 
 
 def main(argv=None) -> None:
@@ -166,7 +167,8 @@ def main(argv=None) -> None:
     # Beyond these the sequential run alone (dialogues x turns x 2 calls, one at a time) takes days and the
     # dialogues' tensors outgrow memory, with nothing said while it happens.
     bad += [f"--{name} must be at most {most}" for name, value, most in (
-        ("dialogues", args.dialogues, MAX_DIALOGUES), ("turns", args.turns, MAX_TURNS)) if value > most]
+        ("dialogues", args.dialogues, MAX_DIALOGUES), ("turns", args.turns, MAX_TURNS),
+        ("median", args.median, CALL_TIMEOUT / 10)) if value > most]  # a call slower than its timeout fails
     if bad:
         parser.error("; ".join(bad))
     sequential_seconds = args.dialogues * args.turns * 2 * args.median * math.exp(args.sigma ** 2 / 2)

@@ -326,6 +326,15 @@ def test_a_general_summary_of_someone_else_or_another_model_is_refused_and_kept(
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
+def test_an_output_name_the_filesystem_refuses_is_one_line(no_sentient_model, no_general_model, tmp_path, capsys):
+    """An OSError (a name too long here; a full disk or a removed folder mid-run) is said in one line."""
+    long_name = tmp_path / ("a" * 300 + ".jsonl")
+    status, error = outcome(eval_sentient.main, ["--limit", "1", "--output", long_name], capsys)
+    assert status == 1 and error.startswith("error: [Errno 36] File name too long")
+    status, error = outcome(eval_general.main, ["--tasks", "humaneval", "--output_dir", tmp_path / ("b" * 300)], capsys)
+    assert status == 1 and error.startswith("error: [Errno 36] File name too long")
+
+
 def test_a_training_runs_folder_is_refused_as_the_general_evaluations_output(no_general_model, tmp_path, capsys):
     common.mark_run_folder(tmp_path / "run", "train_ppo.py", "m")
     status, error = outcome(eval_general.main, ["--tasks", "humaneval", "--output_dir", tmp_path / "run"], capsys)

@@ -1014,6 +1014,17 @@ def test_ctrl_c_in_the_general_evaluation_says_what_was_kept(graded, tmp_path, m
                     if graded else "interrupted: before any item was graded; nothing was written")
 
 
+def test_a_closed_stdin_ends_the_typed_dialogue_like_an_empty_line(monkeypatch, capsys):
+    import builtins
+
+    def no_stdin(prompt=""):
+        raise RuntimeError("input(): lost sys.stdin")
+
+    monkeypatch.setattr(builtins, "input", no_stdin)
+    simulator.main(["--profile", "en-train-01"])
+    assert "[stopped after 0 turns, emotion 30]" in capsys.readouterr().out
+
+
 def test_ctrl_c_while_typing_a_reply_leaves_the_dialogue_in_one_line(monkeypatch, capsys):
     import builtins
 

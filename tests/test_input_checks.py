@@ -248,3 +248,10 @@ def test_a_model_cache_that_is_a_file_is_refused_before_the_packaged_model_conve
 def test_a_device_given_as_an_input_file_is_named_as_such_not_as_missing():
     with pytest.raises(common.InputError, match="^/dev/null: not a regular file; give the profile file as a file$"):
         common.read_text("/dev/null", "profile file")
+
+
+def test_an_input_path_with_a_leading_tilde_is_read_from_the_home_folder(tmp_path, monkeypatch):
+    """A config file's paths reach the scripts unexpanded: `profiles: ~/mine.jsonl` must still be found."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "mine.jsonl").write_text("{}\n")
+    assert common.read_text("~/mine.jsonl", "profile file") == "{}\n"

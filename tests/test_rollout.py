@@ -592,6 +592,7 @@ def test_a_dialogue_goes_on_exactly_while_the_next_user_message_and_a_minimal_tu
     (["--median", "nan", "--sigma", "-1"], "--median must be a finite number above 0; --sigma must be a finite"),
     (["--policy", "/no/such/model"], "error: --policy /no/such/model"),
     (["--dialogues", "100000", "--turns", "100000"], "--dialogues must be at most 1024; --turns must be at most 32"),
+    (["--median", "1e9"], "--median must be at most 6.0"),  # every call would time out, after minutes of silence
 ])
 def test_the_rollout_benchmark_checks_its_options_before_it_loads_anything(argv, message, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))

@@ -199,6 +199,22 @@ def fail_if_called(*args, **kwargs):
     raise AssertionError("loaded")
 
 
+def test_a_resume_with_no_steps_left_is_refused_before_any_row_is_dropped(tiny_model_dir, tmp_path, monkeypatch):
+    """The Trainer would train one step past --max_steps (global_step 3 of 2) and exit 0."""
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail_if_called)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    common.mark_run_folder(tmp_path / "run", "train_grpo.py", str(tiny_model_dir))
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    common.append_json_lines(tmp_path / "run" / "transcripts.jsonl", [{"step": step} for step in (0, 1)])
+    with pytest.raises(common.InputError, match=f"{checkpoint} holds 2 trained steps, as many as --max_steps 2 asks"):
+        train_grpo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "run"),
+                         "--resume_from_checkpoint", str(checkpoint), "--max_steps", "2"])
+    assert (tmp_path / "run" / "transcripts.jsonl").read_text().count("\n") == 2
+
+
 def test_a_resume_drops_the_rows_of_the_steps_it_will_play_again_before_the_model_loads(tiny_model_dir, tmp_path,
                                                                                        monkeypatch):
     import transformers
