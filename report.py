@@ -21,6 +21,7 @@ shows it as text. The only script on the page is the filter below.
 """
 import argparse
 import html
+import os
 import shutil
 import subprocess
 import sys
@@ -52,6 +53,11 @@ def read_rows(path: Path) -> list[dict]:
         for _, where, row in parsed_lines:
             if not isinstance(row, dict) or not isinstance(row.get("history"), list) or "id" not in row:
                 raise ReportError(f"{where}: a row needs 'id' and a 'history' list")
+            if not all(isinstance(message, dict) for message in row["history"]):
+                raise ReportError(f"{where}: each 'history' entry must be a message (an object)")
+            points = [row.get("emo_point"), *(message.get("emotion-point") for message in row["history"])]
+            if any(isinstance(point, bool) or not isinstance(point, (int, float, type(None))) for point in points):
+                raise ReportError(f"{where}: 'emo_point' and each 'emotion-point' must be numbers")
             rows.append(row)
     if not rows:
         raise ReportError(f"{path}: no dialogues")
@@ -353,7 +359,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run", nargs="?", type=Path, help="a training run folder or a benchmark result file")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="two runs on the same scenarios")
-    parser.add_argument("--out", type=Path,
+    parser.add_argument("--out",
                         help="the HTML file (default: report.html beside the input); its folder is made if missing")
     parser.add_argument("--screenshot", type=Path, metavar="PNG", help="also render the page into this PNG")
     args = parser.parse_args(argv)
@@ -370,7 +376,9 @@ def main(argv=None) -> None:
             default = (second if second.is_dir() else second.parent) / "compare.html"
         else:
             default = args.run / "report.html" if args.run.is_dir() else args.run.with_suffix(".html")
-        out = args.out or default
+        if args.out and args.out.endswith(os.sep):  # Path() would drop the slash and write a file of that name
+            raise ReportError(f"--out {args.out}: a folder; give the HTML file's path")
+        out = Path(args.out) if args.out else default
         # Checked before the runs are read; the folder is made when writing.
         common.check_output_file(out, "out", common.starts_with(GENERATOR.encode()), inputs)
         if args.screenshot:

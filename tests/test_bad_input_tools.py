@@ -257,3 +257,15 @@ def test_report_compare_of_a_run_with_itself_is_refused(tmp_path):
         assert exit_message(report.main, ["--compare", str(run), str(second)]) == (
             f"error: --compare: {run} and {second} are the same run; give two runs")
     assert not (run / "compare.html").exists()
+
+
+def test_report_names_a_row_whose_emotion_is_not_a_number_and_an_out_path_ending_in_a_slash(tmp_path):
+    run = steps_run(tmp_path / "run")
+    rows = (run / "transcripts.jsonl").read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([rows[0], rows[1].replace('"emo_point": ', '"emo_point": "high", "was": ', 1)]) + "\n")
+    assert exit_message(report.main, [str(bad)]) == (
+        f"error: {bad}:2: 'emo_point' and each 'emotion-point' must be numbers")
+    assert exit_message(report.main, [str(run), "--out", f"{tmp_path}/newdir/"]) == (
+        f"error: --out {tmp_path}/newdir/: a folder; give the HTML file's path")
+    assert not (tmp_path / "newdir").exists()

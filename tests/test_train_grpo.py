@@ -110,7 +110,8 @@ def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes
                "--output_dir", str(output_dir), "--max_turns", "2", "--max_reply_tokens", "6",
                "--num_generations", "2", "--per_device_train_batch_size", "2", "--profiles", str(profiles),
                "--backend", "llm", "--simulator_model", "sim-model"]
-    stopped = run_against_simulator(command, "--max_steps", "3", answered=8)  # 2 dialogues x 2 turns x 2 calls
+    stopped = run_against_simulator(command, "--max_steps", "3", "--simulator_max_retries", "1",  # less back-off
+                                    answered=8)  # 2 dialogues x 2 turns x 2 calls
     assert stopped.returncode != 0
     assert "stopped at step 1" in stopped.stderr and "2 of 2 dialogues lost their simulator" in stopped.stderr
     checkpoint = output_dir / "checkpoint-1"

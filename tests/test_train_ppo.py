@@ -3,6 +3,7 @@ import collections
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -228,17 +229,14 @@ def test_resume_continues_where_an_interrupted_run_stopped_and_a_new_run_there_i
     per_step = collections.Counter(row["step"] for row in transcripts)
     assert per_step == {0: 2, 1: 2, 2: 2, 3: 2}  # step 2 played again once, nothing lost or doubled
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
-    finished = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
-                               "--output_dir", str(output_dir), "--max_steps", "1"], capture_output=True, text=True)
-    assert finished.returncode != 0 and "already holds a run" in finished.stderr
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(output_dir)]
+    with pytest.raises(common.InputError, match="already holds a run"):  # in-process: refused before any model loads
+        train_ppo.main(argv + ["--max_steps", "1"])
     rows = (output_dir / "transcripts.jsonl").read_text()
-    finished = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir),
-                               "--output_dir", str(output_dir), "--max_think_tokens", "4", "--max_reply_tokens", "6",
-                               "--max_steps", "3", "--resume", *small],
-                              capture_output=True, text=True)  # nothing left to train: refused, no row dropped
-    assert finished.returncode != 0 and finished.stderr.strip().endswith(
-        f"--resume: {output_dir / 'checkpoint-4'} holds 4 trained steps, as many as --max_steps 3 asks; raise "
-        "--max_steps to train on")
+    with pytest.raises(common.InputError, match=re.escape(  # nothing left to train: refused, no row dropped
+            f"--resume: {output_dir / 'checkpoint-4'} holds 4 trained steps, as many as --max_steps 3 asks; raise "
+            "--max_steps to train on")):
+        train_ppo.main(argv + ["--max_reply_tokens", "6", "--max_steps", "3", "--resume", *small])
     assert (output_dir / "transcripts.jsonl").read_text() == rows
 
 
@@ -463,7 +461,8 @@ def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes
                "--output_dir", str(output_dir), "--max_turns", "2", "--max_reply_tokens", "6",
                "--profiles", str(profiles), "--profiles_per_step", "1", "--dialogues_per_profile", "2",
                "--backend", "llm", "--simulator_model", "sim-model", "--save_steps", "10"]
-    stopped = run_against_simulator(command, "--max_steps", "3", answered=8)  # 2 dialogues x 2 turns x 2 calls
+    stopped = run_against_simulator(command, "--max_steps", "3", "--simulator_max_retries", "1",  # less back-off
+                                    answered=8)  # 2 dialogues x 2 turns x 2 calls
     assert stopped.returncode != 0
     assert "stopped at step 1" in stopped.stderr and "2 of 2 dialogues lost their simulator" in stopped.stderr
     assert (output_dir / "checkpoint-1").is_dir()
