@@ -124,7 +124,8 @@ def literal_assignments(source: str) -> dict[tuple[str | None, str], object]:
 def _read(repo: Path, relative: str) -> dict:
     path = repo / relative
     if not path.is_file():
-        raise OfficialRepoError(f"--official_repo {repo}: {relative} is missing; expected a checkout of "
+        found = "is a folder, not a file" if path.is_dir() else "is missing"
+        raise OfficialRepoError(f"--official_repo {repo}: {relative} {found}; expected a checkout of "
                                 "github.com/Tencent/digitalhuman (SAGE/ and RLVER/ at its top)")
     try:
         return literal_assignments(path.read_text(encoding="utf-8"))

@@ -164,6 +164,9 @@ def main(argv=None) -> None:
     try:
         # Every run is read, and the plot path checked, before the table is printed or matplotlib loads.
         all_means = {run_dir: step_means(run_dir, args.metric) for run_dir in runs}
+        for run_dir, means in all_means.items():  # one step has no first and last to compare (its error: nan)
+            if len(means) < 2:
+                raise common.InputError(f"{run_dir}: {len(means)} step; a curve needs at least 2")
         inputs = [path for run_dir in runs for path in run_dir.glob("transcripts*.jsonl")]
         common.check_output_file(out, "out", common.starts_with(SOFTWARE.encode(), 8192), inputs)
     except common.InputError as error:

@@ -328,6 +328,9 @@ def test_a_missing_checkout_is_refused_before_anything_loads(tmp_path):
         simulator.SimulatorArguments(backend="llm", simulator_prompts="sage", official_repo=str(tmp_path / "none"))
     with pytest.raises(common.ArgumentError, match=r"SAGE/simulator_response.py is missing"):
         simulator.SimulatorArguments(backend="llm", policy_prompts="sage", official_repo=str(tmp_path))
+    (tmp_path / "SAGE" / "simulator_response.py").mkdir(parents=True)
+    with pytest.raises(common.ArgumentError, match=r"SAGE/simulator_response.py is a folder, not a file"):
+        simulator.SimulatorArguments(backend="llm", policy_prompts="sage", official_repo=str(tmp_path))
 
 
 @needs_repo

@@ -87,3 +87,11 @@ def test_a_run_given_twice_is_refused_not_counted_as_two_seeds(tmp_path, capsys)
         plot_training.main(["--arm", "PPO", str(run), str(tmp_path / "link"), "--out", str(tmp_path / "arms.png")])
     assert exit_info.value.code == 2
     assert f"{tmp_path / 'link'}: the same run as {run}; give each run once" in capsys.readouterr().err
+
+
+def test_a_run_of_one_step_is_refused_not_reported_with_a_nan_error(tmp_path):
+    run = run_of(tmp_path / "a", [[30, 40]])
+    with pytest.raises(SystemExit) as exit_info:
+        plot_training.main([str(run), "--out", str(tmp_path / "p.png")])
+    assert exit_info.value.code == f"error: {run}: 1 step; a curve needs at least 2"
+    assert not (tmp_path / "p.png").exists()
