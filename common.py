@@ -391,6 +391,14 @@ def resume_command(option: str, value: str | None = None) -> str:
     return "python " + shlex.join([Path(sys.argv[0]).name, *kept, option, *([value] if value is not None else [])])
 
 
+def check_steps_left(resume_flag: str, checkpoint, trained: int, max_steps: int) -> None:
+    """Refuse a resume whose checkpoint holds `max_steps` steps already: it would train nothing (PPO) or a step
+    past the limit (the Trainer), and exit 0. Called before any row of the replayed steps is dropped."""
+    if max_steps != -1 and trained >= max_steps:
+        raise InputError(f"{resume_flag}: {checkpoint} holds {trained} trained steps, as many as --max_steps "
+                         f"{max_steps} asks; raise --max_steps to train on")
+
+
 def note_interruption(folder, step: int, checkpoint, resume: str) -> None:
     """Mark a run stopped by Ctrl-C in its RUN_MARKER (after which step, the checkpoint that holds it), and
     say so with the `resume` command. Steps count from 0, as in the transcripts; checkpoint-N holds N steps."""
@@ -743,6 +751,7 @@ class ChatClient:
                 call.prompt_tokens = response.usage.prompt_tokens or 0
                 call.completion_tokens = response.usage.completion_tokens or 0
             if not response.choices:
+                call.failed = 1
                 raise EndpointError(f"{self.role} endpoint {self.base_url} answered a chat completion without "
                                     "choices")
             return response.choices[0].message.content or ""
@@ -753,9 +762,6 @@ class ChatClient:
             call.failed = 1
             raise EndpointError(f"{self.role} endpoint {self.base_url} answered with something that is not an "
                                 f"OpenAI chat completion ({type(error).__name__}: {error})") from None
-        except EndpointError:
-            call.failed = 1
-            raise
         finally:
             _CURRENT_CALL.reset(token)
             call.add_to(self.totals, stats)

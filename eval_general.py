@@ -113,8 +113,8 @@ class GeneralEvalArguments:
 
     def __post_init__(self):
         common.check_options(
-            self, tasks=(lambda value: task_list(value) and set(task_list(value)) <= set(TASKS)
-                         and len(set(task_list(value))) == len(task_list(value)),  # a repeat is graded twice
+            self, tasks=(lambda value: (tasks := task_list(value)) and set(tasks) <= set(TASKS)
+                         and len(set(tasks)) == len(tasks),  # a repeat is graded twice
                          f"one or more of {', '.join(TASKS)}, comma-separated, each once"),
             limit=(lambda value: value >= 1, "at least 1 (leave it out for every item)"),
             livecodebench_release=(lambda value: value in LIVECODEBENCH_FILES,

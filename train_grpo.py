@@ -476,10 +476,8 @@ def main(argv: list[str] | None = None) -> None:
         training_args.resume_from_checkpoint = str(resume_checkpoint(training_args))
         state = Path(training_args.resume_from_checkpoint) / "trainer_state.json"
         trained = json.loads(state.read_text())["global_step"]
-        if training_args.max_steps != -1 and trained >= training_args.max_steps:  # else: a step past max_steps
-            raise common.InputError(f"--resume_from_checkpoint: {training_args.resume_from_checkpoint} holds {trained} "
-                                    f"trained steps, as many as --max_steps {training_args.max_steps} asks; raise "
-                                    "--max_steps to train on")
+        common.check_steps_left("--resume_from_checkpoint", training_args.resume_from_checkpoint, trained,
+                                training_args.max_steps)
         for path in [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]:
             rollout.keep_rows_before(path, trained)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

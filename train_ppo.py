@@ -810,9 +810,7 @@ def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_s
                                 f"--save_steps {save_steps}), so there is nothing to continue; choose another "
                                 "--output_dir for a new run")
     step = 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
-    if step >= max_steps:  # else it would drop the rows after the checkpoint, train nothing and exit 0
-        raise common.InputError(f"--resume: {checkpoint} holds {step} trained steps, as many as --max_steps "
-                                f"{max_steps} asks; raise --max_steps to train on")
+    common.check_steps_left("--resume", checkpoint, step, max_steps)
     dropped = (rollout.keep_rows_before(transcripts, step),
                rollout.keep_rows_before(metrics_file, step, "metrics file") if accelerator.is_main_process else 0)
     if checkpoint is None and any(dropped):
