@@ -845,11 +845,28 @@ def resolve_model(name_or_path: str, option: str | None = None) -> str:
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
-    partial = target.with_name(target.name + ".partial")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)  # only a complete folder ever appears under the final name
+    write_folder_once(target, lambda folder: (model.save_pretrained(folder), tokenizer.save_pretrained(folder)))
     return str(target)
+
+
+def write_folder_once(target: Path, write) -> None:
+    """write(folder) into a fresh folder beside target, then give it target's name, so that only a complete
+    model folder ever appears there. Processes converting at once (the ranks of a launch on a fresh clone,
+    parallel test workers) each write their own folder: the first rename wins and the others drop theirs.
+    An interrupted write leaves nothing behind."""
+    import shutil
+    import tempfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".partial-"))
+    try:
+        write(partial)
+        partial.rename(target)
+    except OSError:
+        if not (target / "config.json").is_file():  # not a concurrent writer's complete folder
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def loadable_model(name_or_path: str) -> str:
@@ -876,7 +893,6 @@ def merged_adapter(path: Path) -> str:
     newest file time (a retrained adapter gets a new merge), written once, atomically. The tokenizer is
     the folder's own (TRL saves it) or else the base model's (train_ppo.py saves none)."""
     import hashlib
-    import shutil
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -903,11 +919,7 @@ def merged_adapter(path: Path) -> str:
         raise InputError(f"{path} holds no tokenizer (tokenizer_config.json), nor does its base model "
                          f"{base!r} (adapter_config.json): {error}") from None
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path).merge_and_unload()
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted merge
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)  # only a complete folder ever appears under the final name
+    write_folder_once(target, lambda folder: (model.save_pretrained(folder), tokenizer.save_pretrained(folder)))
     return str(target)
 
 

@@ -255,3 +255,39 @@ def test_an_input_path_with_a_leading_tilde_is_read_from_the_home_folder(tmp_pat
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "mine.jsonl").write_text("{}\n")
     assert common.read_text("~/mine.jsonl", "profile file") == "{}\n"
+
+
+def test_model_folders_written_at_once_by_two_processes_leave_one_whole_folder_and_no_partial(tmp_path):
+    """The ranks of a launch on a fresh clone (or parallel test workers) convert the packaged model at once."""
+    import threading
+
+    target, both_written = tmp_path / "cache" / "model", threading.Barrier(2)
+    errors = []
+
+    def writer(name):
+        def write(folder):
+            (folder / "config.json").write_text(name)
+            both_written.wait(timeout=10)  # neither renames before both have written
+        try:
+            common.write_folder_once(target, write)
+        except Exception as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    threads = [threading.Thread(target=writer, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert (target / "config.json").read_text() in {"a", "b"}
+    assert [f.name for f in target.parent.iterdir()] == ["model"]
+
+
+def test_a_model_folder_write_that_fails_leaves_nothing_and_says_why(tmp_path):
+    def write(folder):
+        (folder / "config.json").write_text("{}")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        common.write_folder_once(tmp_path / "model", write)
+    assert list(tmp_path.iterdir()) == []
