@@ -318,6 +318,30 @@ def check_output_file(path, option: str, made_here=None, inputs=()) -> None:
     check_output_folder(path.parent, option, given=path)
 
 
+def handle_signals(on_terminate: str) -> None:
+    """Set by each script run as a program, before its slow imports. Ctrl-C before main() runs (while torch
+    and transformers load: seconds) exits 130 with one line instead of the cut import's traceback; from main()
+    on it is Python's KeyboardInterrupt, which each script handles. SIGTERM (a scheduler ending the job, or a
+    launcher ending the other processes when one failed) exits 143 at once, saving nothing new, with one line
+    ending in `on_terminate`: what was kept and how to go on. It does not save: with a process gone, the
+    others would wait forever for its part of a checkpoint."""
+    def interrupt(signum, frame):
+        while frame is not None:
+            if frame.f_code.co_name == "main" and frame.f_globals.get("__name__") == "__main__":
+                raise KeyboardInterrupt
+            frame = frame.f_back
+        print("\ninterrupted while starting: nothing done", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    def terminate(signum, frame):
+        sys.stdout.flush()
+        print(f"\nstopped by SIGTERM: nothing new saved; {on_terminate}", file=sys.stderr, flush=True)
+        os._exit(143)  # not SystemExit: exit handlers may wait on a process that is gone
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, terminate)
+
+
 def exit_interrupted(message: str):
     """Ctrl-C outside a training step: one line saying what was kept and how to go on, exit status 130. A
     Ctrl-C while it is said quits at once (the default action: no traceback)."""
@@ -378,7 +402,8 @@ def launcher_deadline() -> str:
 
 def resume_command(option: str, value: str | None = None) -> str:
     """The command line that continues this run: this script and its options, with `option` (and its
-    `value`) in place of any it had (under accelerate launch, keep the launcher's own flags before it)."""
+    `value`) in place of any it had, after the launcher that started it. A process cannot see its
+    launcher's own options, so those are left for the user to repeat."""
     import shlex
 
     argv, kept = sys.argv[1:], []
@@ -388,7 +413,13 @@ def resume_command(option: str, value: str | None = None) -> str:
             argv.pop(0)  # the old value
         elif arg != option and not arg.startswith(option + "="):
             kept.append(arg)
-    return "python " + shlex.join([Path(sys.argv[0]).name, *kept, option, *([value] if value is not None else [])])
+    if "ACCELERATE_MIXED_PRECISION" in os.environ:  # set by accelerate launch for the processes it starts
+        launcher = "accelerate launch [its options, as before] "
+    elif "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun (python -m torch.distributed.run)
+        launcher = "torchrun [its options, as before] "
+    else:
+        launcher = "python "
+    return launcher + shlex.join([Path(sys.argv[0]).name, *kept, option, *([value] if value is not None else [])])
 
 
 def check_steps_left(resume_flag: str, checkpoint, trained: int, max_steps: int) -> None:
@@ -563,12 +594,51 @@ def check_run_folder(folder, script: str, model: str, resuming: bool, resume_fla
 
 def mark_run_folder(folder, script: str, model: str, settings: dict | None = None) -> None:
     """RUN_MARKER, on the main process, once every rank has passed check_run_folder: whose run, of which
-    model, with which run_settings."""
+    model, with which run_settings; and the folder held (hold) while the run lasts."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    hold(folder, "--output_dir")  # before the marker: a second run started at once must not write one
     if not (folder / RUN_MARKER).is_file():
         (folder / RUN_MARKER).write_text(json.dumps({"script": script, "model": model,
                                                      "settings": settings or {}}) + "\n")
+
+
+_held = {}  # path: the open file whose lock this process holds until it exits
+
+
+def hold(path, option: str, create: str | None = None) -> None:
+    """Lock an output (a folder or a file) for as long as this process runs, or refuse it in one line while
+    another process holds it: two runs writing the same output at once would mix their rows (two evaluations
+    each playing the scenarios missing from it: every one twice). `create` ("file" or "folder"): make it now,
+    failing if it exists, for a run that found none when it started (another run may have made it since, and
+    written rows this run did not count). A process holds a path once; the lock (flock) ends with the process."""
+    import fcntl
+
+    path = Path(path)
+    if str(path.resolve()) in _held:
+        return
+    try:
+        if create == "folder":
+            path.mkdir()
+        handle = os.open(path, os.O_RDONLY | (os.O_CREAT | os.O_EXCL if create == "file" else 0), 0o644)
+    except FileExistsError:
+        raise InputError(f"{option} {path}: another run began writing there after this one started; run the same "
+                         "command again to go on from its rows") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(handle)
+        raise InputError(f"{option} {path}: another run is writing there now; let it finish, or give another "
+                         "path") from None
+    _held[str(path.resolve())] = handle
+
+
+def check_run_folder_kept(folder) -> None:
+    """Stop a run whose output folder was removed or replaced while it trained, before it writes a step's rows:
+    writing on would make a new folder holding only the rows from here on, without the marker a resume needs."""
+    if not (Path(folder) / RUN_MARKER).is_file():
+        raise InputError(f"{folder} was removed or replaced while this run trained (its {RUN_MARKER} is gone): "
+                         "stopped without writing more; start a new run")
 
 
 def starts_with(marker: bytes, size: int = 4096):

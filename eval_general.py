@@ -55,9 +55,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
+import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
 
-import common
+if __name__ == "__main__":
+    common.handle_signals("the graded items' rows are in --output_dir (run the same command again to grade the rest)")
+
+import numpy as np
+from transformers import HfArgumentParser
+
 import generation
 
 TASKS = ("math500", "livecodebench", "humaneval", "ifeval")
@@ -620,7 +625,8 @@ def run_task(task: str, items: list[dict], done: set, args: GeneralEvalArguments
                 if args.think:
                     row["graded_response"] = response
                 rows.append(row)
-            output_dir.mkdir(parents=True, exist_ok=True)  # with the first rows: a run failing earlier leaves none
+            output_dir.parent.mkdir(parents=True, exist_ok=True)  # with the first rows: a run failing earlier
+            common.hold(output_dir, "--output_dir", create="folder")  # leaves nothing; held from then on
             common.append_json_lines(path, rows)  # a last line cut short by a killed run is dropped first
             bar.update(len(rows))
     bar.close()
@@ -666,13 +672,15 @@ def evaluate(args: GeneralEvalArguments) -> dict:
 
     tasks = task_list(args.tasks)
     output_dir = Path(args.output_dir) if args.output_dir else default_output_dir(args)
-    common.check_output_folder(output_dir, "output_dir")  # made with the first rows written
+    common.check_output_folder(output_dir, "output_dir")
     if (output_dir / common.RUN_MARKER).is_file():  # its files would mix with the run's
         raise DataError(f"--output_dir {output_dir}: a training run's folder; give a folder of its own")
     common.check_local_model(args)  # a mistyped --model fails in a second, not after the data loads
     common.check_vllm(args.use_vllm and not args.model_base_url)
     data = {task: LOADERS[task](args) for task in tasks}  # before the model: bad data fails in seconds
     check_sandbox(data, args.code_memory_mb)
+    if output_dir.is_dir():  # two evaluations at once would both grade the rest (a new folder: run_task)
+        common.hold(output_dir, "--output_dir")
     summary_path = output_dir / "summary.json"
     made_by = common.model_record(args.model, args.model_base_url)
     summary = read_summary(summary_path, made_by, args.think) if summary_path.is_file() else {}
@@ -776,8 +784,6 @@ def format_summary(summary: dict) -> str:
 
 
 def main(argv=None) -> None:
-    from transformers import HfArgumentParser
-
     parser = HfArgumentParser(GeneralEvalArguments, description=__doc__.split("\n")[0])
     try:
         (args,) = parser.parse_args_into_dataclasses(argv)
@@ -793,6 +799,9 @@ def main(argv=None) -> None:
         sys.exit(f"error: {error}")
     except OSError as error:  # a full disk, a name too long, a folder removed while writing
         sys.exit(f"error: {error} (the graded items' rows are kept: fix it, then run the same command)")
+    except KeyboardInterrupt:  # while a model loads or the summary is made; the dialogues say their own
+        common.exit_interrupted("the graded items' rows are in --output_dir; run the same command again to grade "
+                                "the rest")
     print(format_summary(summary))
     print(f"\nper-item results and summary.json in "
           f"{Path(args.output_dir) if args.output_dir else default_output_dir(args)}")

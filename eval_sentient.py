@@ -39,9 +39,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
+import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
 
-import common
+if __name__ == "__main__":
+    common.handle_signals("the finished scenarios' rows are in --output (run the same command again to play the rest)")
+
+import numpy as np
+from transformers import HfArgumentParser
+
 import generation
 import rollout
 import simulator
@@ -105,7 +110,8 @@ def read_results(path, skip_cut_last_line: bool = False) -> list[dict]:
 
 
 def result_rows(path, skip_cut_last_line: bool = False):
-    """Each row, checked: it needs an `id`, an `emo_point` within 0-100 and a `history` list. Our own output,
+    """Each row, checked: it needs an `id`, an `emo_point` within 0-100 (the last user message's `emotion-point`,
+    where it has one) and a `history` list. Our own output,
     read to resume or summarise it, may end in a line cut short by a killed run: `skip_cut_last_line`
     leaves that line out (with a warning), and its scenario is played again."""
     seen = set()
@@ -117,6 +123,11 @@ def result_rows(path, skip_cut_last_line: bool = False):
             raise ResultFileError(f"{where}: field 'emo_point' must be a number within 0-100, got {point!r}")
         if not isinstance(row.get("id"), str) or not isinstance(row.get("history"), list):
             raise ResultFileError(f"{where}: a result row needs a string 'id' and a 'history' list")
+        last = next((message.get("emotion-point") for message in reversed(row["history"])
+                     if isinstance(message, dict) and message.get("role") == "user"), None)
+        if last is not None and last != point:  # the simulated user's last emotion is the score (as in SAGE)
+            raise ResultFileError(f"{where}: 'emo_point' {point!r} is not the last user message's 'emotion-point' "
+                                  f"{last!r}; was the row edited? play the scenario again")
         if row["id"] in seen:
             raise ResultFileError(f"{where}: scenario {row['id']!r} appears twice")
         seen.add(row["id"])
@@ -238,8 +249,10 @@ def finished_ids(path: Path, made_by: dict, profiles: list, profiles_file: str, 
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
-    """Append result rows; the folder is made with the first one, so a run that fails earlier leaves none."""
+    """Append result rows. The first make the file (and its folder), held from then on (common.hold): a run
+    that fails earlier leaves nothing behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    common.hold(path, "--output", create="file")
     common.append_json_lines(path, rows)  # a last line cut short by a killed run is dropped first
 
 
@@ -327,11 +340,13 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
     simulator.check_policy_prompts(simulator_args, args.think)
     common.check_vllm(args.use_vllm and not args.model_base_url)
     output = Path(args.output) if args.output else default_output(args)
-    # Its folder is made with the first row written; a file of rows, ours, is resumed (finished_ids).
+    # A file of rows, ours, is resumed (finished_ids).
     # Ours: rows that say who made them (a training run's transcripts are rows too, without it).
     common.check_output_file(output, "output", common.starts_with(b'"made_by": {', 1 << 22), [args.profiles])
     summary_path = output.with_suffix(".summary.json")
     common.check_output_file(summary_path, "output", common.json_object_with("made_by"), [args.profiles, output])
+    if output.exists():  # two evaluations at once would both play the rest (a new file: append_rows)
+        common.hold(output, "--output")
     made_by = run_record(args, simulator_args)
     done = finished_ids(output, made_by, profiles, args.profiles, args.limit)
     if len(done) < len(profiles):
@@ -359,8 +374,6 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
 
 
 def main(argv=None) -> None:
-    from transformers import HfArgumentParser
-
     parser = HfArgumentParser((EvalArguments, simulator.SimulatorArguments), description=__doc__.split("\n")[0])
     try:
         args, simulator_args = parser.parse_args_into_dataclasses(argv)
@@ -379,6 +392,9 @@ def main(argv=None) -> None:
         sys.exit(f"error: {error}")
     except OSError as error:  # a full disk, a name too long, a folder removed while writing
         sys.exit(f"error: {error} (the finished scenarios' rows are kept: fix it, then run the same command)")
+    except KeyboardInterrupt:  # while a model loads or the summary is made; the dialogues say their own
+        common.exit_interrupted("the finished scenarios' rows are in --output; run the same command again to play "
+                                "the rest")
     print(format_summary(summary, f"Sentient benchmark: {summary['results']} ({args.model}"
                                   f"{', think' if args.think else ''}; {simulator_args.backend} simulator)"))
     results = shlex.quote(summary["results"])  # a command to paste: a path with spaces or quotes stays one

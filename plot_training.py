@@ -198,4 +198,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    common.handle_signals("run it again (a plot being written may be cut short)")
+    try:
+        main()
+    except KeyboardInterrupt:
+        common.exit_interrupted("run it again (a plot being written may be cut short)")

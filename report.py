@@ -397,4 +397,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    common.handle_signals("run it again (a page being written may be cut short)")
+    try:
+        main()
+    except KeyboardInterrupt:
+        common.exit_interrupted("run it again (a page being written may be cut short)")

@@ -701,15 +701,15 @@ class PlayArguments:
 
 
 def main(argv=None) -> None:
-    from transformers import HfArgumentParser
+    try:
+        from transformers import HfArgumentParser  # a second or two: inside the try, where Ctrl-C is one line
 
-    parser = HfArgumentParser((PlayArguments, SimulatorArguments),
-                              description="Talk to a simulated user, turn by turn.")
-    try:
-        play_args, simulator_args = parser.parse_args_into_dataclasses(argv)
-    except common.ArgumentError as error:
-        parser.error(str(error))
-    try:
+        parser = HfArgumentParser((PlayArguments, SimulatorArguments),
+                                  description="Talk to a simulated user, turn by turn.")
+        try:
+            play_args, simulator_args = parser.parse_args_into_dataclasses(argv)
+        except common.ArgumentError as error:
+            parser.error(str(error))
         # Not asyncio.run: its Ctrl-C handling waits for a pending input() to return, then raises on a second.
         loop = asyncio.new_event_loop()
         try:
@@ -743,4 +743,5 @@ async def _talk(play_args: PlayArguments, simulator_args: SimulatorArguments) ->
 
 
 if __name__ == "__main__":
+    common.handle_signals("the dialogue was left")
     main()

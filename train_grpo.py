@@ -70,6 +70,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
+
+if __name__ == "__main__":
+    common.handle_signals("the checkpoints in --output_dir are whole (continue from the newest with "
+                          "--resume_from_checkpoint true)")
+
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from datasets import Dataset
@@ -77,7 +83,6 @@ from transformers import AutoTokenizer, PretrainedConfig, TrainerCallback
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 
-import common
 import generation
 import rollout
 import simulator
@@ -493,6 +498,7 @@ def main(argv: list[str] | None = None) -> None:
         rollout.check_failures(dialogues, dialogue_args.max_failed_share, trainer.accelerator)
         rank = trainer.accelerator.process_index
         path = transcripts if trainer.accelerator.num_processes == 1 else transcripts.with_suffix(f".rank{rank}.jsonl")
+        common.check_run_folder_kept(path.parent)
         rollout.write_transcripts(path, dialogues, step=trainer.state.global_step)
         return rollout.rollout_output(dialogues, with_logprobs=training_args.use_vllm)
 

@@ -91,6 +91,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
+
+if __name__ == "__main__":
+    common.handle_signals("the checkpoints in --output_dir are whole (continue from the newest with --resume)")
+
 import numpy as np
 import torch
 from accelerate import Accelerator
@@ -101,7 +106,6 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from trl import TrlParser
 
-import common
 import generation
 import rollout
 import simulator
@@ -948,6 +952,7 @@ def step_dialogues(dialogues, final_rewards: list[float], accelerator) -> tuple[
 def log_step(metrics: dict, dialogues, step: int, transcripts: Path, metrics_file: Path, args: PPOArguments,
              accelerator) -> None:
     """This rank's transcripts; the step's metrics row (every rank's: main process), console line and tracker."""
+    common.check_run_folder_kept(transcripts.parent)
     rollout.write_transcripts(transcripts, dialogues, step=step)
     if accelerator.is_main_process:
         common.append_json_lines(metrics_file, [metrics])

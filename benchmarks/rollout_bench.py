@@ -29,6 +29,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
+import common  # noqa: E402  (before the libraries below: quick, and it quiets a Ctrl-C while they load)
+
+if __name__ == "__main__":
+    common.handle_signals("nothing measured")
+
 import torch  # noqa: E402
 from fake_openai import FakeOpenAIServer  # noqa: E402
 from transformers import (  # noqa: E402
@@ -39,7 +44,6 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
 )
 
-import common  # noqa: E402
 import generation  # noqa: E402
 import rollout  # noqa: E402
 import simulator  # noqa: E402
@@ -213,4 +217,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        common.exit_interrupted("nothing measured")

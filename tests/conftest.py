@@ -1,6 +1,8 @@
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,8 +93,6 @@ SIMULATOR_ANSWER = "Fine.\nCHANGE: +5"  # serves as an analysis and as a user me
 def run_against_simulator(command: list, *flags: str, answered: int | None = None):
     """Run a training command against a scripted simulator endpoint on 127.0.0.1 that answers every
     call, or only the first `answered` ones and then 500s (past the client's retries)."""
-    import subprocess
-
     from fake_openai import FakeOpenAIServer
 
     script, default = ([SIMULATOR_ANSWER] * answered, None) if answered is not None else ((), SIMULATOR_ANSWER)
@@ -111,6 +111,20 @@ def kill_when(process, ready, seconds: float = 240) -> None:
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
+
+
+@contextlib.contextmanager
+def held_by_another_process(path):
+    """`path` (an output folder or file) held by another process's common.hold, as by a run writing there now."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, common; common.hold(sys.argv[1], '--x'); print('held', "
+                               "flush=True); sys.stdin.read()", str(path)], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def free_port() -> int:

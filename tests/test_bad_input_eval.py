@@ -59,7 +59,7 @@ def benchmark_profiles(path, count=2, language="en"):
 
 def result_row(scenario_id, point=50):
     return {"id": scenario_id, "emo_point": point, "emo_state": "Emotion-B",
-            "history": [{"role": "user", "content": "Hi.", "emotion-point": 40}]}
+            "history": [{"role": "user", "content": "Hi.", "emotion-point": point}]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,3 +366,33 @@ def test_an_unreachable_simulator_endpoint_is_refused_before_the_tested_model_lo
         "--simulator_max_retries", 0], capsys)
     assert status == 1 and error.startswith("error: cannot reach the simulator endpoint http://127.0.0.1:9/v1")
     assert not (tmp_path / "new").exists()
+
+
+def test_a_sentient_output_another_run_is_writing_is_refused_before_any_model_loads(no_sentient_model, tmp_path,
+                                                                                  capsys):
+    """Two runs at once on one --output would each play the scenarios missing from it: every one twice."""
+    from conftest import held_by_another_process
+
+    output = tmp_path / "r.jsonl"
+    output.write_text("")  # the other run has not finished a scenario yet
+    with held_by_another_process(output):
+        status, error = outcome(eval_sentient.main, ["--profiles", benchmark_profiles(tmp_path / "p.jsonl"),
+                                                     "--output", output], capsys)
+    assert (status, error) == (1, f"error: --output {output}: another run is writing there now; let it finish, or "
+                                  "give another path")
+    assert output.read_text() == ""
+
+
+def test_a_general_output_folder_another_run_is_writing_is_refused_before_any_model_loads(no_general_model, tmp_path,
+                                                                                        capsys):
+    from conftest import held_by_another_process
+
+    row = {"problem": "p", "solution": "s", "answer": "1", "subject": "Algebra", "level": 2, "unique_id": "a"}
+    data, out = write_jsonl(tmp_path / "math500.jsonl", [row]), tmp_path / "out"
+    out.mkdir()
+    with held_by_another_process(out):
+        status, error = outcome(eval_general.main, ["--tasks", "math500", "--math500_path", data, "--output_dir",
+                                                    out], capsys)
+    assert (status, error) == (1, f"error: --output_dir {out}: another run is writing there now; let it finish, or "
+                                  "give another path")
+    assert list(out.iterdir()) == []

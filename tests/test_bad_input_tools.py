@@ -269,3 +269,42 @@ def test_report_names_a_row_whose_emotion_is_not_a_number_and_an_out_path_ending
     assert exit_message(report.main, [str(run), "--out", f"{tmp_path}/newdir/"]) == (
         f"error: --out {tmp_path}/newdir/: a folder; give the HTML file's path")
     assert not (tmp_path / "newdir").exists()
+
+
+def started_handling_signals(process, timeout=30) -> None:
+    """Wait until the process catches SIGTERM (common.handle_signals ran): /proc's SigCgt mask, bit 15 - 1."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        status = open(f"/proc/{process.pid}/status").read()
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught & (1 << 14):
+            return
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.01)
+    raise AssertionError("the script never set its SIGTERM handler")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process's signal mask in /proc")
+@pytest.mark.parametrize("script", ["train_grpo.py", "train_ppo.py", "eval_sentient.py", "eval_general.py",
+                                    "benchmarks/rollout_bench.py"])
+@pytest.mark.parametrize("sent, status, said", [
+    ("SIGINT", 130, "interrupted while starting: nothing done"),
+    ("SIGTERM", 143, "stopped by SIGTERM: nothing new saved; "),
+])
+def test_a_signal_while_the_libraries_load_ends_the_script_in_one_line(script, sent, status, said):
+    """Sent as torch and transformers load (seconds): the cut import's traceback would be all a user saw."""
+    import signal
+
+    process = subprocess.Popen([sys.executable, str(REPO / script)], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        started_handling_signals(process)
+        process.send_signal(getattr(signal, sent))
+        out, err = process.communicate(timeout=30)
+    finally:
+        process.kill()  # without the handler, the script would go on to run its demo
+    assert process.returncode == status and err.startswith(f"\n{said}") and err.count("\n") == 2, err
+    assert "Traceback" not in err and out == ""

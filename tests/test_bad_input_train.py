@@ -302,6 +302,20 @@ def test_a_trainer_continues_its_own_run_only_when_asked_and_only_with_its_model
     assert (output_dir / "transcripts.jsonl").read_text() == '{"step": 0}\n'
 
 
+@pytest.mark.parametrize("script", ["train_ppo.py", "train_grpo.py"])
+def test_a_trainer_refuses_an_output_folder_another_run_is_writing_before_marking_it(tmp_path, model_folder, script):
+    """Two runs at once in one folder (two resumes, or a second launch) would write the same steps' rows and
+    checkpoints."""
+    from conftest import held_by_another_process
+
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    with held_by_another_process(output_dir):
+        with pytest.raises(common.InputError, match=f"^--output_dir {output_dir}: another run is writing there now"):
+            trainer_main(script)(["--model_name_or_path", str(model_folder), "--output_dir", str(output_dir)])
+    assert list(output_dir.iterdir()) == []
+
+
 @pytest.mark.parametrize("script, resume, changed, message", [
     ("train_ppo.py", ["--resume"], ["--lora_r", "8"], "--lora_r 16 (this run: 8)"),
     ("train_ppo.py", ["--resume"], ["--think", "--variant", "challenging"],

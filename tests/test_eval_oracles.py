@@ -878,13 +878,6 @@ def test_a_result_rows_personality_and_intention_are_read_with_the_spaces_around
     assert eval_sentient.personality_of({}) == eval_sentient.intention_of({}) == "unknown"
 
 
-def test_result_rows_are_appended_into_a_folder_made_with_the_first_of_them(tmp_path):
-    path = tmp_path / "new" / "deeper" / "results.jsonl"
-    eval_sentient.append_rows(path, [{"id": "a"}])
-    eval_sentient.append_rows(path, [{"id": "b"}])
-    assert [json.loads(line)["id"] for line in path.read_text().splitlines()] == ["a", "b"]
-
-
 @pytest.mark.parametrize("base, trained, paired", [
     ("a/humaneval.jsonl", "b/humaneval.jsonl", True),
     ("a/humaneval.jsonl", "b/math500.jsonl", False),  # two tasks
@@ -982,7 +975,7 @@ def test_ctrl_c_in_the_benchmark_keeps_the_finished_rows_and_says_how_to_go_on(t
 
     def one_then_ctrl_c(args, simulator_args, chat, profiles, done, output, progress):
         made_by = eval_sentient.run_record(args, simulator_args)
-        eval_sentient.append_rows(output, [{"id": profiles[0].id, "emo_point": 50, "history": [], "made_by": made_by}])
+        common.append_json_lines(output, [{"id": profiles[0].id, "emo_point": 50, "history": [], "made_by": made_by}])
         raise KeyboardInterrupt
 
     monkeypatch.setattr(eval_sentient.common, "check_local_model", lambda args: None)

@@ -2,6 +2,7 @@
 bad files, lines and values come from here."""
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -291,3 +292,49 @@ def test_a_model_folder_write_that_fails_leaves_nothing_and_says_why(tmp_path):
     with pytest.raises(OSError, match="No space left"):
         common.write_folder_once(tmp_path / "model", write)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("launcher_env, launcher", [
+    ({}, "python "),
+    ({"TORCHELASTIC_RUN_ID": "none"}, "torchrun [its options, as before] "),
+    ({"TORCHELASTIC_RUN_ID": "none", "ACCELERATE_MIXED_PRECISION": "no"}, "accelerate launch [its options, as before] "),
+    ({"ACCELERATE_MIXED_PRECISION": "bf16"}, "accelerate launch [its options, as before] "),  # one process
+])
+def test_the_resume_command_names_the_launcher_and_replaces_the_option_it_continues_with(launcher_env, launcher,
+                                                                                          monkeypatch):
+    for name in ("TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in launcher_env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["/repo/train_grpo.py", "--output_dir", "my runs/a", "--resume_from_checkpoint",
+                                      "old", "--max_steps", "9"])
+    assert common.resume_command("--resume_from_checkpoint", "runs/a/checkpoint-3") == (
+        launcher + "train_grpo.py --output_dir 'my runs/a' --max_steps 9 --resume_from_checkpoint runs/a/checkpoint-3")
+    monkeypatch.setattr(sys, "argv", ["train_ppo.py", "--resume", "--think"])
+    assert common.resume_command("--resume") == launcher + "train_ppo.py --think --resume"
+
+
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_an_output_held_by_another_run_is_refused_until_that_run_ends(kind, tmp_path):
+    from conftest import held_by_another_process
+
+    path = tmp_path / "out"
+    path.mkdir() if kind == "folder" else path.write_text('{"id": "a"}\n')
+    with held_by_another_process(path):
+        with pytest.raises(common.InputError, match=rf"^--output {path}: another run is writing there now; let it "
+                                                    "finish, or give another path$"):
+            common.hold(path, "--output")
+    common.hold(path, "--output")  # that run has ended
+    common.hold(path, "--output", create=kind)  # held once per process: this run's first rows go on
+    assert path.is_dir() if kind == "folder" else path.read_text() == '{"id": "a"}\n'
+
+
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_an_output_that_appeared_after_the_run_started_is_refused_at_its_first_rows(kind, tmp_path):
+    """This run found none, so it counted no finished rows: writing among another run's would play them twice."""
+    path = tmp_path / "out"
+    path.mkdir() if kind == "folder" else path.write_text('{"id": "a"}\n')  # made by another run since
+    with pytest.raises(common.InputError, match=rf"^--output {path}: another run began writing there after this "
+                                                "one started; run the same command again to go on from its rows$"):
+        common.hold(path, "--output", create=kind)
+    assert path.is_dir() if kind == "folder" else path.read_text() == '{"id": "a"}\n'

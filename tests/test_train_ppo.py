@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import common
+import rollout
 import train_ppo
 from train_ppo import masked_gae, place_rewards, ppo_losses
 
@@ -242,8 +244,6 @@ def test_resume_continues_where_an_interrupted_run_stopped_and_a_new_run_there_i
 
 def test_per_turn_rows_drop_earlier_thoughts_and_train_one_turn_each(tiny_model_dir):
     from conftest import play_think_dialogue
-
-    import rollout
 
     dialogue, tokenizer = play_think_dialogue(tiny_model_dir)
     rows = train_ppo.per_turn_rows(dialogue)
@@ -625,8 +625,15 @@ def test_under_torchs_elastic_launcher_the_ctrl_c_notice_gives_its_deadline(run_
                                      if deadline else ")"))
 
 
-def test_a_second_ctrl_c_quits_at_once_without_saving(tiny_model_dir, tmp_path):
-    """Both Ctrl-Cs arrive while step 0 waits on a simulator that does not answer: no step ends, nothing saved."""
+@pytest.mark.parametrize("sent, status, said", [
+    (["SIGINT", "SIGINT"], 130, ["Ctrl-C: stopping once this step is done", "Ctrl-C again: quitting now, without saving"]),
+    (["SIGTERM"], 143, ["stopped by SIGTERM: nothing new saved; the checkpoints in --output_dir are whole (continue "
+                        "from the newest with --resume)\n"]),
+])
+def test_a_second_ctrl_c_or_a_sigterm_quits_at_once_without_saving(sent, status, said, tiny_model_dir, tmp_path):
+    """The signals arrive while step 0 waits on a simulator that does not answer: no step ends, nothing saved.
+    SIGTERM (a scheduler, or the launcher when another rank failed) does not wait for the step: with a rank
+    gone, a checkpoint's collectives would wait forever."""
     import signal
     import time
 
@@ -649,12 +656,11 @@ def test_a_second_ctrl_c_quits_at_once_without_saving(tiny_model_dir, tmp_path):
         deadline = time.time() + 120
         while not any("CHANGE" in body["messages"][-1]["content"] for body in server.requests) and time.time() < deadline:
             time.sleep(0.2)
-        process.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        process.send_signal(signal.SIGINT)
+        for name in sent:
+            process.send_signal(getattr(signal, name))
+            time.sleep(0.5)
         _, stderr = process.communicate(timeout=30)
-    assert process.returncode == 130 and "Ctrl-C: stopping once this step is done" in stderr
-    assert "Ctrl-C again: quitting now, without saving" in stderr
+    assert process.returncode == status and all(line in stderr for line in said), stderr[-2000:]
     assert "Traceback" not in stderr and not list(run.glob("checkpoint-*"))
 
 
@@ -703,7 +709,8 @@ def test_ctrl_c_reaching_one_rank_stops_both_after_the_same_step_with_one_whole_
     assert steps[0] == steps[1] == [step for step in range(last + 1) for _ in range(2)], said[-3000:]
     assert last < 39 and "exitcode  : 130" in said
     assert (f"interrupted after step {last} ({last + 1} step{'s' if last else ''} trained): "
-            f"{run / f'checkpoint-{last + 1}'} holds its state") in said
+            f"{run / f'checkpoint-{last + 1}'} holds its state; continue with: torchrun [its options, as before] "
+            "train_ppo.py --model_name_or_path ") in said
     assert [path.name for path in run.glob("checkpoint-*")] == [f"checkpoint-{last + 1}"]
     assert common.checkpoint_problem(run / f"checkpoint-{last + 1}", train_ppo.CHECKPOINT_MEMBERS) is None
     assert json.loads((run / "rlver-run.json").read_text())["interrupted"] == [
@@ -721,3 +728,23 @@ def test_a_tracker_accelerate_would_refuse_after_loading_or_silently_drop_is_ref
         train_ppo.check_tracker(report_to)
     assert str(stopped.value.code).startswith(message)
     train_ppo.check_tracker("none")
+
+
+def test_a_run_folder_removed_while_training_stops_the_run_instead_of_making_a_new_one(tiny_model_dir, tmp_path,
+                                                                                        monkeypatch):
+    """Writing on would make a folder holding only the later steps' rows, with no marker to resume from, and exit 0."""
+    run = tmp_path / "run"
+    play, calls = rollout.DialogueRunner.run, []
+
+    def play_then_remove(runner, *args):
+        calls.append(1)
+        if len(calls) == 2:  # step 1's dialogues are being played
+            shutil.rmtree(run)
+        return play(runner, *args)
+
+    monkeypatch.setattr(rollout.DialogueRunner, "run", play_then_remove)
+    with pytest.raises(common.InputError, match=rf"^{run} was removed or replaced while this run trained"):
+        train_ppo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(run), "--max_steps", "3",
+                        "--max_turns", "1", "--max_reply_tokens", "4", "--dialogues_per_profile", "2",
+                        "--minibatch_size", "2"])
+    assert not run.exists()
