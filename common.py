@@ -204,6 +204,13 @@ def read_config(path, parser, extra_keys: tuple[str, ...] = ()) -> dict:
                  for key in unknown]
         raise InputError(f"{path}: unknown option(s): {', '.join(hints)}")
     check_config_values(path, text, config, parser)
+    if "env" in config:  # TrlParser sets each as str(value): a list, a null or a number as a name gets through
+        env = config["env"]
+        names_ok = isinstance(env, dict) and all(isinstance(name, str) and name and not set(name) & {"=", "\0"}
+                                                 for name in env)
+        if not names_ok or any(not isinstance(value, (str, int, float, bool)) for value in env.values()):
+            raise InputError(f"{path}:{lines['env']}: env: give environment variables as NAME: value, one a line "
+                             f"(a name without '=', a text or number as the value), got {env!r}")
     return config
 
 
@@ -955,7 +962,32 @@ def loadable_model(name_or_path: str) -> str:
             f"{path} holds a model but no tokenizer (tokenizer_config.json), and no adapter_config.json names a base "
             "model to take one from; save the tokenizer of the model it was trained from into it: "
             f"AutoTokenizer.from_pretrained(BASE).save_pretrained({str(path)!r})")
+    check_model_folder(path, "model")
     return str(path)
+
+
+def check_model_folder(name_or_path, option: str, tokenizer: bool = True) -> None:
+    """Refuse, just before it loads, a local model folder transformers would fail on with a traceback: a
+    config.json that is not JSON or names no model_type, no weights, no tokenizer (when one is loaded from
+    it). A hub id, or a folder holding a PEFT adapter, passes."""
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir() or (path / "adapter_config.json").is_file():
+        return
+    config_path = path / "config.json"
+    try:
+        config = json.loads(read_text(config_path, "model config"))
+    except json.JSONDecodeError as error:
+        raise InputError(f"{config_path}:{error.lineno}: not valid JSON ({error.msg})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise InputError(f"--{option} {name_or_path}: its config.json names no model_type, so transformers cannot "
+                         "tell which model it is; give a folder saved by save_pretrained")
+    weights = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
+    if not any(next(path.glob(pattern), None) for pattern in weights):
+        raise InputError(f"--{option} {name_or_path}: no weights (*.safetensors or pytorch_model*.bin) beside its "
+                         "config.json; give a folder saved by save_pretrained")
+    if tokenizer and not any((path / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json")):
+        raise InputError(f"--{option} {name_or_path}: no tokenizer (tokenizer_config.json or tokenizer.json); save "
+                         "the model's tokenizer into it with save_pretrained")
 
 
 def merged_adapter(path: Path) -> str:
@@ -998,6 +1030,7 @@ def check_local_model(args) -> None:
     to be had (an endpoint's model is checked by the endpoint; the packaged model is converted on demand)."""
     if not args.model_base_url and args.model != PACKAGED_MODEL:
         check_model_source(args.model, "model")
+        check_model_folder(args.model, "model", tokenizer=False)  # loadable_model says which tokenizer is missing
 
 
 def check_vllm(use_vllm: bool) -> None:

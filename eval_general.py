@@ -675,8 +675,8 @@ def evaluate(args: GeneralEvalArguments) -> dict:
     common.check_output_folder(output_dir, "output_dir")
     if (output_dir / common.RUN_MARKER).is_file():  # its files would mix with the run's
         raise DataError(f"--output_dir {output_dir}: a training run's folder; give a folder of its own")
-    common.check_local_model(args)  # a mistyped --model fails in a second, not after the data loads
     common.check_vllm(args.use_vllm and not args.model_base_url)
+    common.check_local_model(args)  # a mistyped --model fails in a second, not after the data loads
     data = {task: LOADERS[task](args) for task in tasks}  # before the model: bad data fails in seconds
     check_sandbox(data, args.code_memory_mb)
     if output_dir.is_dir():  # two evaluations at once would both grade the rest (a new folder: run_task)

@@ -391,6 +391,7 @@ class LocalChat:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = common.resolve_model(model_name_or_path, "simulator_model")
+        common.check_model_folder(path, "simulator_model")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if not self.tokenizer.chat_template:
             raise SimulatorError(f"{model_name_or_path} has no chat template; use an instruct/chat model")

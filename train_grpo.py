@@ -485,6 +485,7 @@ def main(argv: list[str] | None = None) -> None:
                                 training_args.max_steps)
         for path in [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]:
             rollout.keep_rows_before(path, trained)
+    common.check_model_folder(model_path, "model_name_or_path")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, simulator.make_chat(simulator_args))
     runner.check_chat()  # fail now, not after loading the model

@@ -656,6 +656,9 @@ def main(argv=None) -> None:
                                               accelerator)
     common.use_all_cpu_cores()
     seed_everything(args.seed, accelerator.process_index)
+    common.check_model_folder(policy_path, "model_name_or_path")
+    if args.critic_model_name_or_path:
+        common.check_model_folder(args.critic_model_name_or_path, "critic_model_name_or_path", tokenizer=False)
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
     runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, simulator.make_chat(simulator_args))
     runner.check_chat()  # a wrong URL, key or model name fails now, before any model loads

@@ -396,3 +396,16 @@ def test_a_general_output_folder_another_run_is_writing_is_refused_before_any_mo
     assert (status, error) == (1, f"error: --output_dir {out}: another run is writing there now; let it finish, or "
                                   "give another path")
     assert list(out.iterdir()) == []
+
+
+def test_a_tested_model_folder_transformers_cannot_load_is_refused_in_one_line(no_sentient_model, tmp_path, capsys):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text("{}")
+    status, error = outcome(eval_sentient.main, ["--model", folder, "--profiles",
+                                                 benchmark_profiles(tmp_path / "p.jsonl"), "--output",
+                                                 tmp_path / "r.jsonl"], capsys)
+    assert (status, error) == (1, f"error: --model {folder}: its config.json names no model_type, so transformers "
+                                  "cannot tell which model it is; give a folder saved by save_pretrained")
+    assert not (tmp_path / "r.jsonl").exists()

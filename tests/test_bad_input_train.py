@@ -1,6 +1,7 @@
 """Bad input to the trainers: each gets one line naming what is wrong, where and what to do, a non-zero exit
 and no traceback, before any model loads; files a killed run left behind are repaired, not lost."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -60,6 +61,26 @@ def test_a_config_that_is_missing_binary_or_not_yaml_is_named_before_parsing(tmp
         config.write_bytes(content)
     with pytest.raises(common.InputError, match=message):
         TRAINERS[trainer].parse_arguments(["--config", str(config)])
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+@pytest.mark.parametrize("env", ["[WANDB_MODE]", "{1: offline}", "{WANDB_MODE: null}", "{WANDB_MODE: [offline]}",
+                                 "{'A=B': 1}", "{'': x}"])
+def test_config_environment_variables_that_trl_would_set_wrongly_or_fail_on_are_named(tmp_path, trainer, env):
+    """TrlParser sets str(value) of each: None, a list or a number as a name would be set or fail with a traceback."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"max_steps: 3\nenv: {env}\n")
+    with pytest.raises(common.InputError, match=r"run.yaml:2: env: give environment variables as NAME: value"):
+        TRAINERS[trainer].parse_arguments(["--config", str(config)])
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_config_environment_variables_are_set_as_given(tmp_path, trainer, monkeypatch):
+    monkeypatch.setenv("RLVER_TEST_VARIABLE", "before")  # monkeypatch removes it after the test
+    config = tmp_path / "run.yaml"
+    config.write_text("env:\n  RLVER_TEST_VARIABLE: 1.5\n")
+    TRAINERS[trainer].parse_arguments(["--config", str(config)])
+    assert os.environ["RLVER_TEST_VARIABLE"] == "1.5"
 
 
 @pytest.mark.parametrize("trainer, key, hint", [("grpo", "num_generation", "num_generations"),
@@ -392,3 +413,23 @@ def test_use_vllm_without_vllm_is_one_line_before_anything_loads(tmp_path, model
         else:
             trainer_main(script)(["--model_name_or_path", str(model_folder), "--output_dir", str(tmp_path / "run"),
                                   "--use_vllm"])
+
+
+@pytest.mark.parametrize("script", ["train_ppo.py", "train_grpo.py"])
+@pytest.mark.parametrize("broken, message", [
+    ({"config.json": "{}"}, "its config.json names no model_type, so transformers cannot tell which model it is"),
+    ({"config.json": '{"model_type": "llama",'}, "config.json:1: not valid JSON"),
+    ({"model.safetensors": None}, "no weights (*.safetensors or pytorch_model*.bin) beside its config.json"),
+    ({"tokenizer_config.json": None}, "no tokenizer (tokenizer_config.json or tokenizer.json)"),
+])
+def test_a_model_folder_transformers_cannot_load_is_refused_before_it_loads(tmp_path, script, broken, message):
+    """transformers would fail with a traceback (ValueError: Unrecognized model), after the endpoint was asked."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    files = {"config.json": '{"model_type": "llama"}', "model.safetensors": "", "tokenizer_config.json": "{}",
+             **broken}
+    for name, text in files.items():
+        if text is not None:
+            (folder / name).write_text(text)
+    with pytest.raises(common.InputError, match=re.escape(message)):
+        trainer_main(script)(["--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "run")])
