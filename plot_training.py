@@ -17,6 +17,7 @@ A transcript whose last line was cut short (a run killed while writing it) is pl
 line, with a warning; any other line that is not a transcript row is an error naming file and line.
 """
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -59,6 +60,9 @@ def step_means(run_dir: Path, metric: str = "emotion") -> dict[int, float]:
     fields, value, _, _ = METRICS[metric]
     rows_by_step = defaultdict(list)
     files = transcript_files(run_dir)
+    if metric == "format" and not trained_with_think(run_dir):  # its curve would be a flat 0, meaning nothing
+        raise common.InputError(f"{run_dir}: trained without --think, so it has no think format to break; "
+                                "--metric format plots think runs")
     for path in files:
         for _, where, row in common.json_lines(path, "transcript", skip_cut_last_line=True):
             if not (isinstance(row, dict) and all(_is_number(row.get(key)) for key in ("step", *fields))):
@@ -69,6 +73,15 @@ def step_means(run_dir: Path, metric: str = "emotion") -> dict[int, float]:
     if not rows_by_step:
         raise common.InputError(f"{', '.join(map(str, files))}: no transcript rows (empty?); nothing to plot")
     return {step: value(rows) for step, rows in sorted(rows_by_step.items())}
+
+
+def trained_with_think(run_dir: Path) -> bool:
+    """Whether the run's marker (the trainers' rlver-run.json) records --think; True where it says nothing."""
+    try:
+        settings = json.loads((run_dir / common.RUN_MARKER).read_text(encoding="utf-8")).get("settings", {})
+    except (OSError, ValueError, AttributeError):
+        return True
+    return settings.get("think", True) is not False
 
 
 def _is_number(value) -> bool:

@@ -1,4 +1,6 @@
 """plot_training.py: the first/last comparison of one run, and arms averaged over seeds."""
+import json
+
 import pytest
 from test_bad_input_tools import write_run
 from test_report import transcript_row
@@ -56,6 +58,23 @@ def test_the_format_metric_is_violating_turns_over_all_turns_of_a_step(tmp_path,
     assert plot_training.step_means(run) == {0: 35, 1: 35, 2: 35}  # the emotion, by default
     plot_training.main([str(run), "--metric", "format", "--out", str(tmp_path / "format.png")])
     assert "| think | 3 | 0.38 +- 0.37 | 0.12 +- 0.12 | -0.25 +- 0.40 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_the_format_metric_refuses_a_run_trained_without_think(think, tmp_path):
+    """Its curve would be a flat 0: no thought, so no format to break."""
+    row = transcript_row(0, 0, [30, 35])
+    row["format_violations"] = 0
+    run = write_run(tmp_path / "run", [row, {**row, "step": 1}])
+    (run / "rlver-run.json").write_text(json.dumps({"script": "train_grpo.py", "model": "m",
+                                                    "settings": {"think": think}}))
+    if think:
+        assert plot_training.step_means(run, "format") == {0: 0.0, 1: 0.0}
+    else:
+        with pytest.raises(plot_training.common.InputError, match=f"^{run}: trained without --think, so it has no "
+                                                                  "think format to break"):
+            plot_training.step_means(run, "format")
+    assert plot_training.step_means(run) == {0: 35, 1: 35}  # its emotion plots either way
 
 
 def test_the_format_metric_refuses_a_transcript_without_its_fields(tmp_path):
