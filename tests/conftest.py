@@ -127,6 +127,46 @@ def held_by_another_process(path):
         holder.wait()
 
 
+def ctrl_c_on_rank_1(script: str, run: Path, *flags: str) -> tuple[str, int]:
+    """Train `script` on 2 gloo ranks (torch.distributed.run, as accelerate launch starts them) into `run`, send
+    SIGINT to rank 1 alone once it has written a step's rows (as on a node where Ctrl-C was pressed while the
+    other trains on), and return (the launch's output, the last step both ranks wrote, checked to be the same
+    steps on both). A rank stopping alone would leave the other waiting forever at a collective: that fails
+    here, after 120 s."""
+    import time
+
+    import psutil
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(REPO / script), "--output_dir", str(run), "--max_steps", "40", "--save_steps", "30", *flags],
+        cwd=run.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"})
+    workers = []  # in sessions of their own: killing the launcher would leave them running
+    try:
+        deadline = time.time() + 240
+        while not ((run / "transcripts.rank1.jsonl").is_file() and (run / "transcripts.rank1.jsonl").read_text()):
+            assert launcher.poll() is None and time.time() < deadline, launcher.stdout.read()[-3000:]
+            time.sleep(0.2)
+        workers = [child for child in psutil.Process(launcher.pid).children(recursive=True)
+                   if "RANK" in child.environ()]
+        [rank_1] = [worker for worker in workers if worker.environ()["RANK"] == "1"]
+        rank_1.send_signal(signal.SIGINT)
+        said, _ = launcher.communicate(timeout=120)
+    finally:
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.kill()
+        if launcher.poll() is None:
+            launcher.kill()
+    steps = [[json.loads(line)["step"] for line in (run / f"transcripts.rank{rank}.jsonl").read_text().splitlines()]
+             for rank in (0, 1)]
+    last = steps[0][-1]
+    assert steps[0] == steps[1] == [step for step in range(last + 1) for _ in range(2)], said[-3000:]
+    assert last < 39 and "exitcode  : 130" in said, said[-3000:]
+    return said, last
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a rendezvous or a fake server)."""
     import socket

@@ -671,46 +671,15 @@ def test_ctrl_c_reaching_one_rank_stops_both_after_the_same_step_with_one_whole_
     on a node where Ctrl-C was pressed while the other node trains on. Both ranks must stop after the same step
     (a rank stopping alone would leave the other waiting forever at its next collective), save one checkpoint
     holding that step, and exit 130."""
-    import contextlib
-    import signal
-    import time
-
-    import psutil
-    from conftest import free_port
+    from conftest import ctrl_c_on_rank_1
 
     run = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(REPO / "train_ppo.py"), "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(run),
-         "--max_steps", "40", "--save_steps", "30", "--max_turns", "1", "--max_reply_tokens", "4",
-         "--profiles_per_step", "1", "--dialogues_per_profile", "2", "--minibatch_size", "2"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"})
-    workers = []  # in sessions of their own: killing the launcher would leave them running
-    try:
-        deadline = time.time() + 240
-        while not ((run / "transcripts.rank1.jsonl").is_file() and (run / "transcripts.rank1.jsonl").read_text()):
-            assert launcher.poll() is None and time.time() < deadline, launcher.stdout.read()[-3000:]
-            time.sleep(0.2)
-        workers = [child for child in psutil.Process(launcher.pid).children(recursive=True)
-                   if "RANK" in child.environ()]
-        [rank_1] = [worker for worker in workers if worker.environ()["RANK"] == "1"]
-        rank_1.send_signal(signal.SIGINT)
-        said, _ = launcher.communicate(timeout=120)  # a rank left waiting at a collective hangs: fails here
-    finally:
-        for worker in workers:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                worker.kill()
-        if launcher.poll() is None:
-            launcher.kill()
-    steps = [[json.loads(line)["step"] for line in (run / f"transcripts.rank{rank}.jsonl").read_text().splitlines()]
-             for rank in (0, 1)]
-    last = steps[0][-1]
-    assert steps[0] == steps[1] == [step for step in range(last + 1) for _ in range(2)], said[-3000:]
-    assert last < 39 and "exitcode  : 130" in said
+    said, last = ctrl_c_on_rank_1("train_ppo.py", run, "--model_name_or_path", str(tiny_model_dir), "--max_turns", "1",
+                                 "--max_reply_tokens", "4", "--profiles_per_step", "1", "--dialogues_per_profile", "2",
+                                 "--minibatch_size", "2")
     assert (f"interrupted after step {last} ({last + 1} step{'s' if last else ''} trained): "
             f"{run / f'checkpoint-{last + 1}'} holds its state; continue with: torchrun [its options, as before] "
-            "train_ppo.py --model_name_or_path ") in said
+            "train_ppo.py --output_dir ") in said
     assert [path.name for path in run.glob("checkpoint-*")] == [f"checkpoint-{last + 1}"]
     assert common.checkpoint_problem(run / f"checkpoint-{last + 1}", train_ppo.CHECKPOINT_MEMBERS) is None
     assert json.loads((run / "rlver-run.json").read_text())["interrupted"] == [
