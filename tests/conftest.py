@@ -127,6 +127,23 @@ def held_by_another_process(path):
         holder.wait()
 
 
+def remove_during_step_1(monkeypatch, folder: Path) -> None:
+    """Delete `folder` while a trainer plays step 1's dialogues (the second rollout), as a user cleaning up might."""
+    import shutil
+
+    import rollout
+
+    play, calls = rollout.DialogueRunner.run, []
+
+    def play_then_remove(runner, *args):
+        calls.append(1)
+        if len(calls) == 2:
+            shutil.rmtree(folder)
+        return play(runner, *args)
+
+    monkeypatch.setattr(rollout.DialogueRunner, "run", play_then_remove)
+
+
 def ctrl_c_on_rank_1(script: str, run: Path, *flags: str) -> tuple[str, int]:
     """Train `script` on 2 gloo ranks (torch.distributed.run, as accelerate launch starts them) into `run`, send
     SIGINT to rank 1 alone once it has written a step's rows (as on a node where Ctrl-C was pressed while the

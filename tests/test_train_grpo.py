@@ -1,7 +1,6 @@
 """train_grpo.py end to end on a tiny model, its reward function, and the paper recipes."""
 import collections
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -303,16 +302,10 @@ def test_ctrl_c_lets_the_step_finish_saves_its_checkpoint_and_says_how_to_contin
 def test_a_run_folder_removed_while_training_stops_the_run_instead_of_making_a_new_one(tiny_model_dir, tmp_path,
                                                                                         monkeypatch):
     """Writing on would make a folder holding only the later steps' rows and weights, with no marker to resume from."""
+    from conftest import remove_during_step_1
+
     run = tmp_path / "run"
-    play, calls = rollout.DialogueRunner.run, []
-
-    def play_then_remove(runner, *args):
-        calls.append(1)
-        if len(calls) == 2:  # step 1's dialogues are being played
-            shutil.rmtree(run)
-        return play(runner, *args)
-
-    monkeypatch.setattr(rollout.DialogueRunner, "run", play_then_remove)
+    remove_during_step_1(monkeypatch, run)
     with pytest.raises(common.InputError, match=rf"^{run} was removed or replaced while this run trained"):
         train_grpo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(run), "--max_steps", "3",
                          "--max_turns", "1", "--max_reply_tokens", "4", "--num_generations", "2",

@@ -4,7 +4,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -702,16 +701,10 @@ def test_a_tracker_accelerate_would_refuse_after_loading_or_silently_drop_is_ref
 def test_a_run_folder_removed_while_training_stops_the_run_instead_of_making_a_new_one(tiny_model_dir, tmp_path,
                                                                                         monkeypatch):
     """Writing on would make a folder holding only the later steps' rows, with no marker to resume from, and exit 0."""
+    from conftest import remove_during_step_1
+
     run = tmp_path / "run"
-    play, calls = rollout.DialogueRunner.run, []
-
-    def play_then_remove(runner, *args):
-        calls.append(1)
-        if len(calls) == 2:  # step 1's dialogues are being played
-            shutil.rmtree(run)
-        return play(runner, *args)
-
-    monkeypatch.setattr(rollout.DialogueRunner, "run", play_then_remove)
+    remove_during_step_1(monkeypatch, run)
     with pytest.raises(common.InputError, match=rf"^{run} was removed or replaced while this run trained"):
         train_ppo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(run), "--max_steps", "3",
                         "--max_turns", "1", "--max_reply_tokens", "4", "--dialogues_per_profile", "2",
