@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -218,7 +219,8 @@ def main() -> None:
                         help="every function of every file with unit tests, not only TARGETS (* as the target)")
     parser.add_argument("--sample", type=int, default=0, help="test this many mutants drawn at random (0: all)")
     parser.add_argument("--seed", type=int, default=0, help="the sample's seed")
-    parser.add_argument("--out", default="runs/mutation.json", help="results (one row per mutant)")
+    parser.add_argument("--out", default="runs/mutation.json",
+                        help="results, one JSON line per mutant as it finishes (a new file)")
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
     chosen = [(file, "*") for file in TESTS_OF_FILE] if args.everywhere else TARGETS
@@ -236,6 +238,8 @@ def main() -> None:
             print(f"{file}:{target} #{index} {description}")
         print(f"{len(work)} mutants")
         return
+    if Path(args.out).exists():
+        parser.error(f"--out {args.out} exists: choose a new file (results are never overwritten)")
 
     scratch = Path(tempfile.mkdtemp(prefix="mutation-"))
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
@@ -270,15 +274,21 @@ def main() -> None:
         row = {"file": file, "target": target, "mutant": index, "change": description, "killed": not passed,
                "seconds": round(seconds, 1)}
         print(("killed  " if not passed else "SURVIVED") + f" {file}:{target} #{index} {description}", flush=True)
+        with written, open(args.out, "a", encoding="utf-8") as out:  # as each finishes: a run stopped after
+            out.write(json.dumps(row) + "\n")  # hours keeps what it measured
         return row
 
-    started = time.perf_counter()
-    with ThreadPoolExecutor(args.workers) as pool:
-        results = list(pool.map(test_one, work))
+    started, written = time.perf_counter(), threading.Lock()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with ThreadPoolExecutor(args.workers) as pool:
+            results = list(pool.map(test_one, work))
+    except KeyboardInterrupt:  # the mutants' pytest runs got the Ctrl-C too
+        shutil.rmtree(scratch, ignore_errors=True)
+        print(f"\ninterrupted: the finished mutants' rows are in {args.out}", file=sys.stderr)
+        raise SystemExit(130) from None
     shutil.rmtree(scratch, ignore_errors=True)
     killed = sum(r["killed"] for r in results)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in results))
     print(f"\n{killed} of {len(results)} mutants killed ({100 * killed / max(1, len(results)):.1f}%) in "
           f"{(time.perf_counter() - started) / 60:.1f} min; rows in {args.out}")
     for row in results:
