@@ -22,10 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project's modules, run from anywhere
 
+import common  # noqa: E402  (before the libraries below: quick, and it quiets a Ctrl-C while they load)
+
+if __name__ == "__main__":
+    common.handle_signals("each finished n's row is in --output (where given)")
+
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
-import common  # noqa: E402
 import eval_sentient  # noqa: E402
 import generation  # noqa: E402
 import simulator  # noqa: E402
@@ -125,4 +129,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        common.exit_interrupted("each finished n's row is in --output (where given)")

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reply_styles import reading_reply, warm_reply  # noqa: E402
 
+import common  # noqa: E402
 import rule_user  # noqa: E402
 import simulator  # noqa: E402
 
@@ -186,4 +187,7 @@ def format_table(results: dict) -> str:
 
 
 if __name__ == "__main__":
-    print(format_table(table()))
+    try:
+        print(format_table(table()))
+    except KeyboardInterrupt:
+        common.exit_interrupted("nothing measured (the table is printed at the end)")

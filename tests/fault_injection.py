@@ -71,4 +71,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the training run, in a temporary folder, got the Ctrl-C too and is gone with it
+        print("\ninterrupted: nothing measured", file=sys.stderr)
+        raise SystemExit(130) from None

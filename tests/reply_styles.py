@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
 import rule_user  # noqa: E402
 import simulator  # noqa: E402
 
@@ -223,4 +224,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        common.exit_interrupted("what was measured is printed above; nothing written")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
 import simulator  # noqa: E402
 
 NEUTRAL = "I see. Please tell me more about what happened."
@@ -91,4 +92,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        common.exit_interrupted("what was measured is printed above; nothing written")

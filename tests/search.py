@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adversarial import play, user_words  # noqa: E402
 
+import common  # noqa: E402
 import simulator  # noqa: E402
 
 # Phrases anyone might try; {0} and {1} take the user's words.
@@ -143,4 +144,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        common.exit_interrupted("what was found is printed above; nothing written")
