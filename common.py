@@ -155,6 +155,8 @@ def check_options(options, **rules) -> None:
 POSITIVE = (lambda value: value > 0, "above 0")
 AT_LEAST_ONE = (lambda value: value >= 1, "at least 1")
 NOT_NEGATIVE = (lambda value: value >= 0, "0 or more")
+# A seed numpy takes (below 2**32) with room for the offsets added to it (a rank, a scenario's position).
+SEED = (lambda value: 0 <= value < 2**31, "from 0 to 2147483647")
 FRACTION = (lambda value: 0 <= value <= 1, "within 0-1")
 
 
@@ -610,6 +612,15 @@ def mark_run_folder(folder, script: str, model: str, settings: dict | None = Non
                                                      "settings": settings or {}}) + "\n")
 
 
+def real_path(path) -> Path:
+    """The path with its links followed (Path.resolve), or one line where the links lead back to themselves
+    (resolve's RuntimeError, a traceback otherwise)."""
+    try:
+        return Path(path).resolve()
+    except RuntimeError:
+        raise InputError(f"{path}: a symbolic link that leads back to itself (a loop); give the real path") from None
+
+
 _held = {}  # path: the open file whose lock this process holds until it exits
 
 
@@ -622,7 +633,7 @@ def hold(path, option: str, create: str | None = None) -> None:
     import fcntl
 
     path = Path(path)
-    if str(path.resolve()) in _held:
+    if str(real_path(path)) in _held:
         return
     try:
         if create == "folder":
@@ -637,7 +648,7 @@ def hold(path, option: str, create: str | None = None) -> None:
         os.close(handle)
         raise InputError(f"{option} {path}: another run is writing there now; let it finish, or give another "
                          "path") from None
-    _held[str(path.resolve())] = handle
+    _held[str(real_path(path))] = handle
 
 
 def check_run_folder_kept(folder) -> None:

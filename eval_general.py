@@ -128,7 +128,7 @@ class GeneralEvalArguments:
             livecodebench_end_date=(is_date, "a date, YYYY-MM-DD"),
             temperature=common.NOT_NEGATIVE, top_p=(lambda value: 0 < value <= 1, "above 0 and at most 1"),
             max_new_tokens=(lambda value: value >= 1, "at least 1 (leave it out for each task's own budget)"),
-            batch_size=common.AT_LEAST_ONE, seed=common.NOT_NEGATIVE,
+            batch_size=common.AT_LEAST_ONE, seed=common.SEED,
             code_memory_mb=(lambda value: value >= MIN_CODE_MEMORY_MB, f"at least {MIN_CODE_MEMORY_MB} (MB)"),
             compare=(lambda value: len(value) in (0, 2), "two paths: BASE TRAINED"),
             bootstrap_samples=common.AT_LEAST_ONE, model_base_url=common.URL)

@@ -170,11 +170,12 @@ def main(argv=None) -> None:
     if out.suffix.lower() != ".png":  # the PNG's text is what marks a plot as this script's to replace
         parser.error(f"--out {out}: give a .png path")
     seen = {}
-    for run_dir in runs:  # a run given twice (or by a link) would count as two seeds
-        if run_dir.resolve() in seen:
-            parser.error(f"{run_dir}: the same run as {seen[run_dir.resolve()]}; give each run once")
-        seen[run_dir.resolve()] = run_dir
     try:
+        for run_dir in runs:  # a run given twice (or by a link) would count as two seeds
+            real = common.real_path(run_dir)
+            if real in seen:
+                parser.error(f"{run_dir}: the same run as {seen[real]}; give each run once")
+            seen[real] = run_dir
         # Every run is read, and the plot path checked, before the table is printed or matplotlib loads.
         all_means = {run_dir: step_means(run_dir, args.metric) for run_dir in runs}
         for run_dir, means in all_means.items():  # one step has no first and last to compare (its error: nan)

@@ -58,6 +58,9 @@ def read_rows(path: Path) -> list[dict]:
             points = [row.get("emo_point"), *(message.get("emotion-point") for message in row["history"])]
             if any(isinstance(point, bool) or not isinstance(point, (int, float, type(None))) for point in points):
                 raise ReportError(f"{where}: 'emo_point' and each 'emotion-point' must be numbers")
+            step = row.get("step")
+            if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+                raise ReportError(f"{where}: 'step' must be a whole number (a training step), got {step!r}")
             rows.append(row)
     if not rows:
         raise ReportError(f"{path}: no dialogues")
@@ -366,7 +369,8 @@ def main(argv=None) -> None:
     if (args.run is None) == (args.compare is None):
         parser.error("give one run, or --compare A B")
     try:
-        read = [{path.resolve() for path in (given.glob("transcripts*.jsonl") if given.is_dir() else [given])}
+        read = [{common.real_path(path)
+                 for path in (given.glob("transcripts*.jsonl") if given.is_dir() else [given])}
                 for given in args.compare or [args.run]]  # each input's transcript files
         inputs = [path for paths in read for path in paths]
         if args.compare and read[0] & read[1]:

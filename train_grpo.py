@@ -161,7 +161,8 @@ def parse_arguments(argv: list[str] | None = None):
                              gradient_accumulation_steps=common.AT_LEAST_ONE, save_steps=common.POSITIVE,
                              max_steps=(lambda value: value == -1 or value >= 1,
                                         "at least 1 (or -1: as many as --num_train_epochs make)"),
-                             beta=common.NOT_NEGATIVE)
+                             beta=common.NOT_NEGATIVE, seed=common.SEED,
+                             data_seed=(lambda value: value is None or common.SEED[0](value), common.SEED[1]))
         common.check_options(model_args)
         check_turn_credit(credit_args, training_args)
     except common.ArgumentError as error:

@@ -187,7 +187,7 @@ class PPOArguments:
             gamma=fraction, lam=fraction, clip_range=positive,
             value_clip_range=positive, entropy_coef=common.NOT_NEGATIVE, kl_coef=common.NOT_NEGATIVE,
             max_grad_norm=positive, temperature=positive, save_steps=at_least_one, lora_alpha=positive,
-            seed=common.NOT_NEGATIVE, vllm_server_port=(lambda value: 1 <= value <= 65535, "within 1-65535"))
+            seed=common.SEED, vllm_server_port=(lambda value: 1 <= value <= 65535, "within 1-65535"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -85,7 +85,8 @@ def test_help_prints_and_exits_0(main, capsys):
     (["--temperature", "inf"], "--temperature inf: must be a finite number"),
     (["--top_p", 0], "--top_p 0.0: must be above 0 and at most 1"),
     (["--top_p", "nan"], "--top_p nan: must be a finite number"),
-    (["--seed", -1], "--seed -1: must be 0 or more"),
+    (["--seed", -1], "--seed -1: must be from 0 to 2147483647"),
+    (["--seed", 2**31], "--seed 2147483648: must be from 0 to 2147483647"),  # numpy and torch would overflow
     (["--model_base_url", "localhost:8000/v1"], "--model_base_url 'localhost:8000/v1': must be an http(s) URL"),
 ])
 def test_sentient_numbers_out_of_range_are_refused_while_parsing(argv, message, capsys):
@@ -102,6 +103,7 @@ def test_sentient_numbers_out_of_range_are_refused_while_parsing(argv, message, 
     (["--batch_size", 0], "--batch_size 0: must be at least 1"),
     (["--temperature", "nan"], "--temperature nan: must be a finite number"),
     (["--top_p", 1.5], "--top_p 1.5: must be above 0 and at most 1"),
+    (["--seed", 10**20], "--seed 100000000000000000000: must be from 0 to 2147483647"),
     (["--model_base_url", "http://[::1"], "--model_base_url 'http://[::1': must be an http(s) URL"),
 ])
 def test_general_numbers_out_of_range_are_refused_while_parsing(argv, message, capsys):

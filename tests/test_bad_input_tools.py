@@ -308,3 +308,20 @@ def test_a_signal_while_the_libraries_load_ends_the_script_in_one_line(script, s
         process.kill()  # without the handler, the script would go on to run its demo
     assert process.returncode == status and err.startswith(f"\n{said}") and err.count("\n") == 2, err
     assert "Traceback" not in err and out == ""
+
+
+@pytest.mark.parametrize("tool", ["report", "plot"])
+def test_an_input_that_is_a_symbolic_link_loop_is_named_in_one_line(tool, tmp_path):
+    loop = tmp_path / "loopA"
+    loop.symlink_to(tmp_path / "loopB")
+    (tmp_path / "loopB").symlink_to(loop)
+    main, argv = (report.main, [str(loop)]) if tool == "report" else (plot_training.main, [str(loop)])
+    assert exit_message(main, argv) == f"error: {loop}: a symbolic link that leads back to itself (a loop); give " \
+                                       "the real path"
+
+
+def test_a_transcript_step_that_is_not_a_whole_number_is_named_with_its_line(tmp_path):
+    rows = [transcript_row(0, 0, [30, 40]), {**transcript_row(1, 0, [30, 45]), "step": "1"}]
+    run = write_run(tmp_path / "run", rows)
+    assert exit_message(report.main, [str(run)]) == (f"error: {run / 'transcripts.jsonl'}:2: 'step' must be a whole "
+                                                     "number (a training step), got '1'")

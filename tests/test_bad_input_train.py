@@ -129,6 +129,9 @@ def test_ppo_checks_option_values_once_the_configs_are_in(tmp_path):
     ("grpo", ["--temperature", "inf"], "--temperature inf: must be a finite number"),
     ("grpo", ["--lora_dropout", "nan"], "--lora_dropout nan: must be a finite number"),  # TRL's ModelConfig
     ("grpo", ["--temperature", "-1"], "--temperature -1.0: must be above 0"),
+    ("ppo", ["--seed", "-1"], "--seed -1: must be from 0 to 2147483647"),  # numpy's seeding would raise
+    ("grpo", ["--seed", "4294967296"], "--seed 4294967296: must be from 0 to 2147483647"),
+    ("grpo", ["--data_seed", "-3"], "--data_seed -3: must be from 0 to 2147483647"),
 ])
 def test_an_option_out_of_range_or_not_finite_is_refused_at_parsing(trainer, argv, message, capsys):
     assert message in stopped_at_parsing(trainer, argv, capsys)
