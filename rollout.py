@@ -89,7 +89,7 @@ class DialogueArguments:
         common.check_options(
             self, start_emotion=(lambda value: 0 <= value <= simulator.MAX_EMOTION,
                                  f"within 0-{simulator.MAX_EMOTION}"),
-            max_turns=common.AT_LEAST_ONE, max_think_tokens=common.AT_LEAST_ONE, max_reply_tokens=common.AT_LEAST_ONE,
+            max_turns=common.TURNS, max_think_tokens=common.AT_LEAST_ONE, max_reply_tokens=common.AT_LEAST_ONE,
             max_dialogue_tokens=common.AT_LEAST_ONE, format_penalty=common.NOT_NEGATIVE,
             simulator_concurrency=common.AT_LEAST_ONE, max_failed_share=common.FRACTION)
         file_name = f"{self.policy_prompt}_think.txt" if self.think else f"{self.policy_prompt}.txt"

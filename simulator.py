@@ -698,7 +698,7 @@ class PlayArguments:
         "help": f"benchmark settings: start at {BENCHMARK_START_EMOTION}, {BENCHMARK_MAX_TURNS} turns"})
 
     def __post_init__(self):
-        common.check_options(self, max_turns=common.AT_LEAST_ONE)
+        common.check_options(self, max_turns=common.TURNS)
 
 
 def main(argv=None) -> None:

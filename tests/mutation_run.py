@@ -200,7 +200,7 @@ def run_tests(copy: Path, tests: list[str], timeout: float) -> tuple[bool, float
     """(passed, seconds) of the tests in the copy."""
     started = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
-           "RLVER_CACHE": os.environ.get("RLVER_CACHE", str(REPO / "cache"))}
+           "RLVER_CACHE": os.environ.get("RLVER_CACHE") or str(REPO / "cache")}
     try:
         finished = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
                                   cwd=copy, capture_output=True, text=True, timeout=timeout, env=env)

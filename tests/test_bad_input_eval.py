@@ -411,3 +411,16 @@ def test_a_tested_model_folder_transformers_cannot_load_is_refused_in_one_line(n
     assert (status, error) == (1, f"error: --model {folder}: its config.json names no model_type, so transformers "
                                   "cannot tell which model it is; give a folder saved by save_pretrained")
     assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_two_outputs_sharing_one_summary_file_are_refused_keeping_the_first_summary(no_sentient_model, tmp_path,
+                                                                                  capsys):
+    """results.jsonl and results both have results.summary.json: the second run would replace the first's."""
+    summary = tmp_path / "col.summary.json"
+    summary.write_text(json.dumps({"results": str(tmp_path / "col.jsonl"), "made_by": {"model": "m"}, "n": 1}))
+    before = summary.read_text()
+    status, error = outcome(eval_sentient.main, ["--profiles", benchmark_profiles(tmp_path / "p.jsonl"),
+                                                 "--output", tmp_path / "col"], capsys)
+    assert (status, error) == (1, f"error: --output {tmp_path / 'col'}: its summary file, {summary}, is the summary "
+                                  f"of {tmp_path / 'col.jsonl'}; give an --output of another name")
+    assert summary.read_text() == before

@@ -338,3 +338,14 @@ def test_an_output_that_appeared_after_the_run_started_is_refused_at_its_first_r
                                                 "one started; run the same command again to go on from its rows$"):
         common.hold(path, "--output", create=kind)
     assert path.is_dir() if kind == "folder" else path.read_text() == '{"id": "a"}\n'
+
+
+def test_an_empty_model_cache_variable_means_the_default_not_the_current_folder(tmp_path):
+    """RLVER_CACHE= would convert the 500 MB model into whatever folder the command was run from."""
+    import os
+    import subprocess
+
+    shown = subprocess.run([sys.executable, "-c", "import common; print(common.MODEL_CACHE)"], cwd=tmp_path,
+                           env={**os.environ, "RLVER_CACHE": "", "PYTHONPATH": str(common.REPO_DIR)},
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert shown == str(common.REPO_DIR / "cache")

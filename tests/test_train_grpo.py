@@ -181,7 +181,7 @@ def test_impossible_option_values_are_refused_before_any_model_loads(tmp_path):
                                "--max_turns", "0", "--simulator_max_retries", "-1"], capture_output=True, text=True,
                               timeout=120)
     assert finished.returncode == 2 and "Traceback" not in finished.stderr
-    assert finished.stderr.strip().splitlines()[-1].endswith("--max_turns 0: must be at least 1")
+    assert finished.stderr.strip().splitlines()[-1].endswith("--max_turns 0: must be from 1 to 100")
 
 
 def test_a_resume_from_a_folder_without_trainer_state_is_refused_before_the_model_loads(tiny_model_dir, tmp_path,

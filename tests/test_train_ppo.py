@@ -508,7 +508,8 @@ def test_a_wrong_simulator_endpoint_fails_in_seconds_before_any_model_loads(tiny
 
 @pytest.mark.parametrize("argv, message", [
     (["--gamma", "1.5"], "--gamma 1.5: must be within 0-1"),
-    (["--max_turns", "0"], "--max_turns 0: must be at least 1"),
+    (["--max_turns", "0"], "--max_turns 0: must be from 1 to 100"),
+    (["--max_turns", "101"], "--max_turns 101: must be from 1 to 100"),  # each turn is played in step: hours
     (["--max_failed_share", "-0.1"], "--max_failed_share -0.1: must be within 0-1"),
     (["--simulator_timeout", "0"], "--simulator_timeout 0.0: must be above 0"),
     (["--learning_rate", "0", "--minibatch_size", "0"], "--learning_rate 0.0: must be above 0; --minibatch_size 0"),
