@@ -546,7 +546,7 @@ RUN_MARKER = "rlver-run.json"  # written into a trainer's output folder when its
 RUN_SETTINGS = ("think", "start_emotion", "max_turns", "max_think_tokens", "max_reply_tokens", "max_dialogue_tokens",
                 "format_penalty", "policy_prompt", "backend", "variant", "simulator_model", "change_bound",
                 "language", "simulator_prompts", "policy_prompts", "use_peft", "lora_r", "lora_alpha", "dtype",
-                "temperature", "turn_credit")
+                "temperature", "turn_credit", "profiles")
 
 
 def run_settings(names, *options) -> dict:
@@ -559,6 +559,10 @@ def run_settings(names, *options) -> dict:
             settings[name] = value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
     if settings.get("think") is False:  # the thought's budget shapes only think runs
         settings.pop("max_think_tokens", None)
+    if "profiles" in settings:  # the steps' profiles are drawn from its lines: what it holds, not its name
+        import hashlib
+
+        settings["profiles"] = "sha256:" + hashlib.sha256(Path(settings["profiles"]).read_bytes()).hexdigest()[:12]
     return settings
 
 

@@ -391,6 +391,11 @@ def resume_checkpoint(training_args: GRPOConfig) -> Path:
             raise common.InputError(f"--resume_from_checkpoint {given}: no whole checkpoint in "
                                     f"{training_args.output_dir} (one is saved every --save_steps)")
         return folder
+    if common.real_path(given).parent != common.real_path(training_args.output_dir):
+        # Its run's settings and rows are in that folder: a resume here would check against, and add to, neither.
+        raise common.InputError(f"--resume_from_checkpoint {given}: not a checkpoint of --output_dir "
+                                f"{training_args.output_dir}; continue its run with --output_dir "
+                                f"{Path(given).parent}, or start a new run from a saved model with --model_name_or_path")
     problem = common.checkpoint_problem(given, ("trainer_state.json",))
     if problem:
         newest = common.newest_whole_checkpoint(training_args.output_dir, ("trainer_state.json",), lambda note: None)

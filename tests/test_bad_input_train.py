@@ -23,6 +23,13 @@ REPO = Path(__file__).resolve().parent.parent
 TRAINERS = {"grpo": train_grpo, "ppo": train_ppo}
 
 
+def profiles_digest(path) -> str:
+    """The run marker's record of a profiles file, computed here with hashlib on the file's bytes."""
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+
+
 @pytest.fixture
 def model_folder(tmp_path):
     """A folder that passes the model check but holds no weights: a run that got as far as loading
@@ -346,6 +353,9 @@ def test_a_trainer_refuses_an_output_folder_another_run_is_writing_before_markin
      "--think False (this run: True), --max_reply_tokens 48 (this run: 32), --variant vanilla (this run: challenging)"),
     ("train_grpo.py", ["--resume_from_checkpoint", "true"], ["--num_generations", "2"],
      "--num_generations 4 (this run: 2)"),
+    ("train_ppo.py", ["--resume"], ["--profiles", str(REPO / "profiles" / "benchmark.jsonl")],  # what they hold
+     f"--profiles {profiles_digest(REPO / 'profiles' / 'train.jsonl')} (this run: "
+     f"{profiles_digest(REPO / 'profiles' / 'benchmark.jsonl')})"),
 ])
 def test_a_resume_with_settings_other_than_the_runs_is_refused_naming_them(tmp_path, model_folder, script, resume,
                                                                            changed, message):

@@ -1,6 +1,7 @@
 """train_grpo.py end to end on a tiny model, its reward function, and the paper recipes."""
 import collections
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -232,6 +233,22 @@ def test_a_resume_drops_the_rows_of_the_steps_it_will_play_again_before_the_mode
                          "--resume_from_checkpoint", str(checkpoint)])
     for name in ("transcripts.jsonl", "transcripts.rank1.jsonl"):
         assert [json.loads(line)["step"] for line in (tmp_path / "run" / name).read_text().splitlines()] == [0, 1]
+
+
+def test_a_checkpoint_of_another_run_folder_is_refused_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    """Its run's settings and rows are in its own folder: resumed into a new one, a reply-only checkpoint went on
+    with --think and other budgets, unchecked, and the new folder's rows began at its step."""
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail_if_called)
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
+    with pytest.raises(common.InputError, match=re.escape(
+            f"--resume_from_checkpoint {checkpoint}: not a checkpoint of --output_dir {tmp_path / 'new'}; continue "
+            f"its run with --output_dir {tmp_path / 'run'}, or start a new run from a saved model with")):
+        train_grpo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "new"),
+                         "--resume_from_checkpoint", str(checkpoint), "--think"])
 
 
 def trainer_checkpoint(folder, step):
