@@ -26,9 +26,9 @@ def write_run(folder, rows, tail=""):
     return folder
 
 
-def steps_run(folder, tail=""):
-    """Three steps of two dialogues each; final emotions 40, 45, 50 per step."""
-    rows = [transcript_row(step, index, [30, 40 + 5 * step]) for step in range(3) for index in range(2)]
+def steps_run(folder, tail="", steps=3):
+    """`steps` steps of two dialogues each; final emotions 40, 45, 50, ... per step (plots need 4 steps)."""
+    rows = [transcript_row(step, index, [30, 40 + 5 * step]) for step in range(steps) for index in range(2)]
     return write_run(folder, rows, tail)
 
 
@@ -85,7 +85,7 @@ def test_a_replies_file_that_is_missing_or_not_utf8_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_plot_training_writes_beside_the_run_not_into_the_current_folder(tmp_path, monkeypatch, capsys):
-    run = steps_run(tmp_path / "run")
+    run = steps_run(tmp_path / "run", steps=4)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -151,11 +151,11 @@ def test_report_names_a_bad_line_in_the_middle_by_file_and_line(tmp_path):
 
 
 def test_plot_training_plots_what_parses_of_a_cut_transcript(tmp_path, capsys):
-    run = steps_run(tmp_path / "run", tail='{"step": 3, "emo_po')
+    run = steps_run(tmp_path / "run", tail='{"step": 4, "emo_po', steps=4)
     plot_training.main([str(run)])
     captured = capsys.readouterr()
-    assert "| run | 3 | 42.5 +- 2.5 | 47.5 +- 2.5 | +5.0 +- 3.5 |" in captured.out  # steps 0-2 only
-    assert f"warning: {run / 'transcripts.jsonl'}:7: the last line is cut short" in captured.err
+    assert "| run | 4 | 42.5 +- 2.5 | 52.5 +- 2.5 | +10.0 +- 3.5 |" in captured.out  # steps 0-3 only
+    assert f"warning: {run / 'transcripts.jsonl'}:9: the last line is cut short" in captured.err
     assert (run / "learning_curve.png").is_file()
 
 
@@ -220,7 +220,7 @@ def test_report_refuses_to_replace_a_file_it_did_not_write_and_replaces_its_own(
 
 
 def test_plot_training_refuses_a_device_a_foreign_file_and_its_input_and_replaces_its_own_plot(tmp_path):
-    run = steps_run(tmp_path / "run")
+    run = steps_run(tmp_path / "run", steps=4)
     (tmp_path / "full.png").symlink_to("/dev/full")
     assert "not a regular file" in exit_message(plot_training.main, [str(run), "--out", str(tmp_path / "full.png")])
     photo = tmp_path / "photo.png"
@@ -234,7 +234,7 @@ def test_plot_training_refuses_a_device_a_foreign_file_and_its_input_and_replace
     assert "an input of this run" in exit_message(plot_training.main, [str(run), "--out", str(tmp_path / "link.png")])
     plot_training.main([str(run), "--out", str(tmp_path / "curve.png")])
     plot_training.main([str(run), "--out", str(tmp_path / "curve.png")])  # its own plot, replaced
-    assert photo.read_bytes().endswith(b"someone's picture") and transcripts.read_text().count("\n") == 6
+    assert photo.read_bytes().endswith(b"someone's picture") and transcripts.read_text().count("\n") == 8
 
 
 def test_an_output_on_a_full_filesystem_is_refused_before_any_work(tmp_path, monkeypatch):

@@ -23,13 +23,13 @@ def test_first_and_last_twenty_percent_of_ten_steps_are_two_steps_each():
 
 
 def test_an_arm_is_the_mean_over_its_seeds_with_the_standard_error_over_seeds(tmp_path, capsys):
-    # Three-step runs: edges of 2 steps. Seed a: first (30+40)/2 = 35, last (40+50)/2 = 45, +10.
-    # Seed b: first 32.5, last 37.5, +5. Arm: first 33.75 +- 1.25, last 41.25 +- 3.75, +7.5 +- 2.5.
-    seed_a = run_of(tmp_path / "a", [[30], [40], [50]])
-    seed_b = run_of(tmp_path / "b", [[30, 30], [35, 35], [40, 40]])
+    # Four-step runs: edges of 2 steps. Seed a: first (30+40)/2 = 35, last (50+60)/2 = 55, +20.
+    # Seed b: first 32.5, last 42.5, +10. Arm: first 33.75 +- 1.25, last 48.75 +- 6.25, +15 +- 5.
+    seed_a = run_of(tmp_path / "a", [[30], [40], [50], [60]])
+    seed_b = run_of(tmp_path / "b", [[30, 30], [35, 35], [40, 40], [45, 45]])
     plot_training.main(["--arm", "PPO", str(seed_a), str(seed_b), "--out", str(tmp_path / "arms.png")])
     out = capsys.readouterr().out
-    assert "| PPO | 2 | 33.8 +- 1.2 | 41.2 +- 3.8 | +7.5 +- 2.5 |" in out
+    assert "| PPO | 2 | 33.8 +- 1.2 | 48.8 +- 6.2 | +15.0 +- 5.0 |" in out
     assert (tmp_path / "arms.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -46,18 +46,19 @@ def test_an_arm_without_runs_is_refused(tmp_path):
 
 def test_the_format_metric_is_violating_turns_over_all_turns_of_a_step(tmp_path, capsys):
     # Step 0: a 1-turn dialogue that broke it and a 3-turn one that broke 2: (1 + 2) / (1 + 3) = 0.75, not the mean
-    # of the dialogues' shares (1 + 2/3) / 2 = 0.83. Step 1: 0 of 2 turns. Step 2: 1 of 4 turns.
+    # of the dialogues' shares (1 + 2/3) / 2 = 0.83. Step 1: 0 of 2 turns. Step 2: 1 of 4 turns. Step 3: 0 of 2.
     rows = []
-    for step, dialogues in enumerate([[(1, 1), (3, 2)], [(2, 0)], [(2, 1), (2, 0)]]):
+    for step, dialogues in enumerate([[(1, 1), (3, 2)], [(2, 0)], [(2, 1), (2, 0)], [(2, 0)]]):
         for index, (turns, violations) in enumerate(dialogues):
             row = transcript_row(step, index, [30] + [35] * turns)
             row["format_violations"] = violations
             rows.append(row)
     run = write_run(tmp_path / "think", rows)
-    assert plot_training.step_means(run, "format") == pytest.approx({0: 0.75, 1: 0.0, 2: 0.25})
-    assert plot_training.step_means(run) == {0: 35, 1: 35, 2: 35}  # the emotion, by default
+    assert plot_training.step_means(run, "format") == pytest.approx({0: 0.75, 1: 0.0, 2: 0.25, 3: 0.0})
+    assert plot_training.step_means(run) == {0: 35, 1: 35, 2: 35, 3: 35}  # the emotion, by default
     plot_training.main([str(run), "--metric", "format", "--out", str(tmp_path / "format.png")])
-    assert "| think | 3 | 0.38 +- 0.37 | 0.12 +- 0.12 | -0.25 +- 0.40 |" in capsys.readouterr().out
+    # first (0.75 + 0) / 2 +- 0.375 (as computed, a hair under), last (0.25 + 0) / 2 +- 0.125
+    assert "| think | 4 | 0.38 +- 0.37 | 0.12 +- 0.12 | -0.25 +- 0.40 |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("think", [False, True])
@@ -108,9 +109,13 @@ def test_a_run_given_twice_is_refused_not_counted_as_two_seeds(tmp_path, capsys)
     assert f"{tmp_path / 'link'}: the same run as {run}; give each run once" in capsys.readouterr().err
 
 
-def test_a_run_of_one_step_is_refused_not_reported_with_a_nan_error(tmp_path):
-    run = run_of(tmp_path / "a", [[30, 40]])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_run_too_short_for_separate_first_and_last_steps_is_refused(steps, tmp_path):
+    """One step has no error (nan); with 2 or 3 the first and last 20% (2 steps each) share steps: a 2-step run
+    showed the same figure at both ends, a difference of 0."""
+    run = run_of(tmp_path / "a", [[30, 40 + step] for step in range(steps)])
     with pytest.raises(SystemExit) as exit_info:
         plot_training.main([str(run), "--out", str(tmp_path / "p.png")])
-    assert exit_info.value.code == f"error: {run}: 1 step; a curve needs at least 2"
+    assert exit_info.value.code == (f"error: {run}: {steps} step{'s' if steps > 1 else ''}; comparing its first "
+                                    "and last steps needs at least 4 (2 at each end)")
     assert not (tmp_path / "p.png").exists()

@@ -101,14 +101,15 @@ def injected_name(tag: str) -> str:
 @pytest.fixture
 def injected_runs(tmp_path):
     """Two training runs of one scenario with a payload in every field a transcript row has, rendered or not.
-    Scenario id and step are shared (they pair the runs); everything else is tagged with its run."""
+    Scenario id and step are shared (they pair the runs; a step must be a whole number, so it carries none);
+    everything else is tagged with its run."""
     folders = []
     for run in ("A", "B"):
         history = [{"role": "user", "content": injected(f"{run}-first user message"), "emotion-point": 40},
                    {"role": "assistant", "content": injected(f"{run}-reply"), "think": injected(f"{run}-thought")},
                    {"role": "user", "content": injected(f"{run}-user message"), "emotion-point": 55, "change": 15,
                     "reasoning": injected(f"{run}-reasoning")}]
-        row = {"id": injected("id"), "step": injected("step"), "history": history, "emo_point": 55,
+        row = {"id": injected("id"), "step": 0, "history": history, "emo_point": 55,
                "task": injected(f"{run}-task"), "main_cha": injected(f"{run}-personality"),
                "player": injected(f"{run}-player"), "scene": injected(f"{run}-scene"),
                "cha_group": [injected(f"{run}-cha_group")], "first_talk": injected(f"{run}-first_talk"),
@@ -137,7 +138,7 @@ def test_text_from_the_data_shows_as_text_in_every_field_and_runs_nothing(inject
     assert "<img" not in text and not any(tag == "img" for tag, _ in page.tags)
     # Each payload reaches the reader unchanged, as text (the parser undoes the escaping).
     visible = "".join(page.text)
-    expected = [str(folder_a), injected("id"), injected("step"), *shown_fields("A")]
+    expected = [str(folder_a), injected("id"), *shown_fields("A")]
     if mode == "compare":
         expected += [str(folder_b), *shown_fields("B")]
     assert [field for field in expected if field not in visible] == []
