@@ -155,6 +155,9 @@ def check_options(options, **rules) -> None:
 POSITIVE = (lambda value: value > 0, "above 0")
 AT_LEAST_ONE = (lambda value: value >= 1, "at least 1")
 NOT_NEGATIVE = (lambda value: value >= 0, "0 or more")
+# Resamples of a bootstrap interval: each is a row of the data's size in memory, and past this the interval's
+# figures no longer move.
+BOOTSTRAP_SAMPLES = (lambda value: 1 <= value <= 100_000, "from 1 to 100000")
 # Dialogues run every turn up to --max_turns in step across ranks, also after they all ended (the ranks'
 # generate calls must match): beyond this a mistyped value runs for hours, saying nothing.
 TURNS = (lambda value: 1 <= value <= 100, "from 1 to 100")
@@ -258,6 +261,8 @@ def config_file(argv: list[str]) -> str | None:
     argv = split_config_flag(argv)
     if "--config" not in argv:
         return None
+    if argv.count("--config") > 1:  # TrlParser reads the first and calls the second an unused argument
+        raise ArgumentError("--config is given twice; give one YAML file (flags after it override its values)")
     index = argv.index("--config") + 1
     if index == len(argv) or argv[index].startswith("--"):
         raise ArgumentError("--config needs a YAML file")
@@ -300,6 +305,10 @@ def check_output_folder(path, option: str, given=None) -> None:
 
     path = Path(path)
     label = option if option.startswith("$") else f"--{option}"
+    try:
+        real_path(path)
+    except InputError as error:  # a link loop
+        raise InputError(f"{label} {error}") from None
     existing = next(folder for folder in [path, *path.parents] if folder.exists())
     if not existing.is_dir():
         raise InputError(f"{label} {given or path}: {existing} is a file, not a folder")
@@ -318,10 +327,12 @@ def check_output_file(path, option: str, made_here=None, inputs=()) -> None:
     path = Path(path)
     if path.is_dir():
         raise InputError(f"--{option} {path}: a folder; give the path of the file to write")
+    real_path(path)  # a link loop: said as such
     if path.is_symlink() and not path.exists():
         raise InputError(f"--{option} {path}: a link to {os.readlink(path)}, which does not exist; give another path")
-    for given in inputs:
-        if Path(given).is_file() and path.exists() and path.samefile(given):
+    for given in inputs:  # by the file (a link, a hard link) or by the name (x/../in.jsonl while x is missing)
+        if Path(given).is_file() and (path.exists() and path.samefile(given)
+                                      or os.path.abspath(path) == os.path.abspath(given)):
             raise InputError(f"--{option} {path}: that is an input of this run; give another path")
     if path.exists() and not path.is_file():
         raise InputError(f"--{option} {path}: not a regular file; give the path of a file to write")

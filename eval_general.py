@@ -129,9 +129,10 @@ class GeneralEvalArguments:
             temperature=common.NOT_NEGATIVE, top_p=(lambda value: 0 < value <= 1, "above 0 and at most 1"),
             max_new_tokens=(lambda value: value >= 1, "at least 1 (leave it out for each task's own budget)"),
             batch_size=common.AT_LEAST_ONE, seed=common.SEED,
-            code_memory_mb=(lambda value: value >= MIN_CODE_MEMORY_MB, f"at least {MIN_CODE_MEMORY_MB} (MB)"),
+            code_memory_mb=(lambda value: MIN_CODE_MEMORY_MB <= value <= 2**20,
+                            f"from {MIN_CODE_MEMORY_MB} to {2**20} (MB: 1 TB)"),
             compare=(lambda value: len(value) in (0, 2), "two paths: BASE TRAINED"),
-            bootstrap_samples=common.AT_LEAST_ONE, model_base_url=common.URL)
+            bootstrap_samples=common.BOOTSTRAP_SAMPLES, model_base_url=common.URL)
         start, end = self.livecodebench_start_date, self.livecodebench_end_date
         if start and end and start > end:
             raise common.ArgumentError(f"--livecodebench_start_date {start} is after --livecodebench_end_date {end}")

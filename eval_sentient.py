@@ -90,7 +90,7 @@ class EvalArguments:
             max_reply_tokens=common.AT_LEAST_ONE, max_think_tokens=common.AT_LEAST_ONE,
             max_dialogue_tokens=common.AT_LEAST_ONE, temperature=common.NOT_NEGATIVE,
             top_p=(lambda value: 0 < value <= 1, "above 0 and at most 1"), seed=common.SEED,
-            batch_size=common.AT_LEAST_ONE, bootstrap_samples=common.AT_LEAST_ONE, model_base_url=common.URL)
+            batch_size=common.AT_LEAST_ONE, bootstrap_samples=common.BOOTSTRAP_SAMPLES, model_base_url=common.URL)
 
 
 # --------------------------------------------------------------------------------------------

@@ -162,6 +162,10 @@ def main(argv=None) -> None:
     title = args.title or f"{METRICS[args.metric][2][0].upper()}{METRICS[args.metric][2][1:]}, per step"
     if any(len(arm) < 2 for arm in args.arm):
         parser.error("--arm needs a label and at least one run folder")
+    for label, *_ in args.arm:  # a forgotten label takes the first run folder's place, and that run is not plotted
+        if (Path(label) / "transcripts.jsonl").is_file() or list(Path(label).glob("transcripts.rank*.jsonl")):
+            parser.error(f"--arm {label} ...: that is a run folder where the label goes; give a label first: "
+                         "--arm LABEL RUN [RUN ...]")
     arms = {arm[0]: [Path(run) for run in arm[1:]] for arm in args.arm}
     runs = list(args.runs) + [run for arm_runs in arms.values() for run in arm_runs]
     if not runs:

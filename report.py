@@ -385,6 +385,8 @@ def main(argv=None) -> None:
         out = Path(args.out) if args.out else default
         # Checked before the runs are read; the folder is made when writing.
         common.check_output_file(out, "out", common.starts_with(GENERATOR.encode()), inputs)
+        if args.screenshot and common.real_path(args.screenshot) == common.real_path(out):
+            raise ReportError(f"--screenshot {args.screenshot}: the same file as the page (--out {out}); give a .png")
         if args.screenshot:
             common.check_output_file(args.screenshot, "screenshot", common.starts_with(SCREENSHOT_SOFTWARE.encode(), 8192),
                                      inputs)

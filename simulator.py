@@ -162,6 +162,9 @@ def parse_profile(row, where="profile") -> Profile:
         raise ProfileError(f"{where}: a profile must be a JSON object, got {type(row).__name__}")
     for name in ("id", "player", "scene", "main_cha", "task"):
         _check_text(row, name, where)
+    if not row["id"].isprintable():  # it names files' rows, report pages and messages: a newline would break them
+        raise ProfileError(f"{where}: field 'id' holds a control character (a newline, a direction mark), got "
+                           f"{row['id']!r:.60}")
     if row["task"] not in INTENTION_BY_TEXT:
         known = "; ".join(texts[0] for texts in INTENTIONS.values())
         raise ProfileError(f"{where}: field 'task' is not one of the 8 hidden intentions "
@@ -655,11 +658,12 @@ def make_simulator(profile, chat=None, official_prompts=None, **options) -> Simu
     return LLMSimulator(profile, chat, **options)
 
 
-def find_profile(profiles, profile_id: str):
+def find_profile(profiles, profile_id: str, path) -> Profile:
     for profile in profiles:
         if profile.id == profile_id:
             return profile
-    raise SimulatorError(f"no profile with id {profile_id!r}; ids look like {', '.join(p.id for p in profiles[:3])}")
+    raise SimulatorError(f"no profile with id {profile_id!r} in {path} (--profiles); its ids look like "
+                         f"{', '.join(p.id for p in profiles[:3])}")
 
 
 async def play(simulator: Simulator, replies, out=None) -> None:
@@ -725,7 +729,7 @@ def main(argv=None) -> None:
 
 async def _talk(play_args: PlayArguments, simulator_args: SimulatorArguments) -> None:
     # Everything that can be checked offline is, before the endpoint is asked or a model loads.
-    profile = find_profile(load_profiles(play_args.profiles), play_args.profile)
+    profile = find_profile(load_profiles(play_args.profiles), play_args.profile, play_args.profiles)
     check_backend([profile], simulator_args)
     if play_args.replies:
         replies = [line for line in common.read_text(play_args.replies, "replies file").splitlines() if line.strip()]

@@ -79,8 +79,9 @@ def test_help_prints_and_exits_0(main, capsys):
     (["--batch_size", 0], "--batch_size 0: must be at least 1"),
     (["--max_reply_tokens", 0], "--max_reply_tokens 0: must be at least 1"),
     (["--max_dialogue_tokens", 0], "--max_dialogue_tokens 0: must be at least 1"),
-    (["--bootstrap_samples", 0], "--bootstrap_samples 0: must be at least 1"),
-    (["--bootstrap_samples", -5], "--bootstrap_samples -5: must be at least 1"),
+    (["--bootstrap_samples", 0], "--bootstrap_samples 0: must be from 1 to 100000"),
+    (["--bootstrap_samples", -5], "--bootstrap_samples -5: must be from 1 to 100000"),
+    (["--bootstrap_samples", 10**9], "--bootstrap_samples 1000000000: must be from 1 to 100000"),  # 119 GiB
     (["--temperature", -1], "--temperature -1.0: must be 0 or more"),
     (["--temperature", "inf"], "--temperature inf: must be a finite number"),
     (["--top_p", 0], "--top_p 0.0: must be above 0 and at most 1"),
@@ -98,8 +99,9 @@ def test_sentient_numbers_out_of_range_are_refused_while_parsing(argv, message, 
     (["--limit", -2], "--limit -2: must be at least 1 (leave it out for every item)"),
     (["--limit", 0], "--limit 0: must be at least 1"),
     (["--max_new_tokens", 0], "--max_new_tokens 0: must be at least 1 (leave it out for each task's own budget)"),
-    (["--code_memory_mb", 0], "--code_memory_mb 0: must be at least 256 (MB)"),
-    (["--compare", "A", "B", "--bootstrap_samples", 0], "--bootstrap_samples 0: must be at least 1"),
+    (["--code_memory_mb", 0], "--code_memory_mb 0: must be from 256 to 1048576 (MB: 1 TB)"),
+    (["--code_memory_mb", 10**20], "must be from 256 to 1048576 (MB: 1 TB)"),  # setrlimit would overflow
+    (["--compare", "A", "B", "--bootstrap_samples", 0], "--bootstrap_samples 0: must be from 1 to 100000"),
     (["--batch_size", 0], "--batch_size 0: must be at least 1"),
     (["--temperature", "nan"], "--temperature nan: must be a finite number"),
     (["--top_p", 1.5], "--top_p 1.5: must be above 0 and at most 1"),
@@ -116,7 +118,7 @@ def test_a_refusal_while_parsing_is_usage_and_one_line_not_a_traceback():
     finished = subprocess.run([sys.executable, "eval_general.py", "--compare", "A", "B", "--bootstrap_samples", "0"],
                               cwd=REPO, capture_output=True, text=True, timeout=60)
     assert finished.returncode == 2 and "Traceback" not in finished.stderr
-    assert finished.stderr.splitlines()[-1] == "eval_general.py: error: --bootstrap_samples 0: must be at least 1"
+    assert finished.stderr.splitlines()[-1] == "eval_general.py: error: --bootstrap_samples 0: must be from 1 to 100000"
 
 
 # --------------------------------------------------------------------------------------------

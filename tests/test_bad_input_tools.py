@@ -325,3 +325,37 @@ def test_a_transcript_step_that_is_not_a_whole_number_is_named_with_its_line(tmp
     run = write_run(tmp_path / "run", rows)
     assert exit_message(report.main, [str(run)]) == (f"error: {run / 'transcripts.jsonl'}:2: 'step' must be a whole "
                                                      "number (a training step), got '1'")
+
+
+def test_a_run_folder_where_an_arm_s_label_goes_is_refused(tmp_path, capsys):
+    """--arm RUN_A RUN_B (label forgotten) took RUN_A as the label and plotted RUN_B alone, as an arm of one seed."""
+    first, second = steps_run(tmp_path / "a", steps=4), steps_run(tmp_path / "b", steps=4)
+    with pytest.raises(SystemExit) as stopped:
+        plot_training.main(["--arm", str(first), str(second), "--out", str(tmp_path / "x.png")])
+    assert stopped.value.code == 2 and f"--arm {first} ...: that is a run folder where the label goes" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_report_refuses_a_screenshot_that_is_the_page_itself(tmp_path):
+    run = steps_run(tmp_path / "run")
+    assert exit_message(report.main, [str(run), "--out", str(tmp_path / "x.html"), "--screenshot",
+                                      str(tmp_path / "x.html")]) == (
+        f"error: --screenshot {tmp_path / 'x.html'}: the same file as the page (--out {tmp_path / 'x.html'}); give a "
+        ".png")
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_a_profile_id_with_a_control_character_is_named_with_its_line(tmp_path):
+    from conftest import profile_row, write_jsonl
+
+    path = write_jsonl(tmp_path / "p.jsonl", [profile_row(id="en-\u202ex\ny")])
+    with pytest.raises(simulator.ProfileError, match=rf"^{path}:1: field 'id' holds a control character"):
+        simulator.load_profiles(path)
+
+
+def test_a_missing_profile_id_names_the_file_searched(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        simulator.main(["--profile", "en-bench-01"])
+    assert stopped.value.code.startswith(f"error: no profile with id 'en-bench-01' in {simulator.DEFAULT_PROFILES} "
+                                         "(--profiles); its ids look like ")

@@ -205,6 +205,8 @@ def bounds_said(what: str):
         return 0.0, True, None
     if match := re.fullmatch(r"within (\d+)-(\d+)", what):
         return float(match[1]), True, float(match[2])
+    if match := re.fullmatch(r"from (\d+) to (\d+)( \(.*\))?", what):
+        return float(match[1]), True, float(match[2])
     return None
 
 
@@ -349,3 +351,25 @@ def test_an_empty_model_cache_variable_means_the_default_not_the_current_folder(
                            env={**os.environ, "RLVER_CACHE": "", "PYTHONPATH": str(common.REPO_DIR)},
                            capture_output=True, text=True, check=True).stdout.strip()
     assert shown == str(common.REPO_DIR / "cache")
+
+
+def test_an_output_naming_an_input_through_a_missing_folder_is_refused_as_the_input(tmp_path):
+    """x/../in.jsonl with x missing: the kernel cannot follow it yet, but the folder made for it would make it so."""
+    given = tmp_path / "in.jsonl"
+    given.write_text("{}\n")
+    with pytest.raises(common.InputError, match="that is an input of this run"):
+        common.check_output_file(tmp_path / "x" / ".." / "in.jsonl", "output", None, [given])
+
+
+def test_an_output_that_is_a_link_loop_is_named_as_one(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(common.InputError, match="a symbolic link that leads back to itself"):
+        common.check_output_file(tmp_path / "a", "output")
+    with pytest.raises(common.InputError, match=rf"^--output_dir {tmp_path / 'a'}: a symbolic link that leads back"):
+        common.check_output_folder(tmp_path / "a", "output_dir")
+
+
+def test_a_config_given_twice_is_refused_naming_it(tmp_path):
+    with pytest.raises(common.ArgumentError, match="--config is given twice; give one YAML file"):
+        common.config_file(["--config", "a.yaml", "--config=b.yaml"])
