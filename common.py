@@ -423,6 +423,13 @@ def launcher_deadline() -> str:
             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT set higher")
 
 
+def script_command(script: str) -> str:
+    """`python <script>` of this repository, as it runs from the current folder (a run started elsewhere)."""
+    import shlex
+
+    return "python " + shlex.quote(os.path.relpath(REPO_DIR / script))
+
+
 def resume_command(option: str, value: str | None = None) -> str:
     """The command line that continues this run: this script and its options, with `option` (and its
     `value`) in place of any it had, after the launcher that started it. A process cannot see its

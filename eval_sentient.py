@@ -201,7 +201,10 @@ def format_summary(summary: dict, title: str) -> str:
 
 def leaderboard(summaries: dict[str, dict]) -> str:
     """One line per result file (path -> its summary), best score first: the published columns plus ours."""
-    entries = sorted(((Path(path).name, s) for path, s in summaries.items()), key=lambda entry: -entry[1]["score"])
+    names = [Path(path).name for path in summaries]
+    if len(set(names)) < len(names):  # a/results.jsonl and b/results.jsonl: their paths tell them apart
+        names = [str(path) for path in summaries]
+    entries = sorted(zip(names, summaries.values()), key=lambda entry: -entry[1]["score"])
     width = max(len(name) for name, _ in entries)
     lines = [f"{'rank':>4}  {'results':<{width}}  {'n':>3}  {'score':>5}  {'95% CI':>11}  {'success':>7}  "
              f"{'failure':>7}  {'turns':>5}"]
@@ -403,8 +406,9 @@ def main(argv=None) -> None:
     print(format_summary(summary, f"Sentient benchmark: {summary['results']} ({args.model}"
                                   f"{', think' if args.think else ''}; {simulator_args.backend} simulator)"))
     results = shlex.quote(summary["results"])  # a command to paste: a path with spaces or quotes stays one
-    print(f"\nread the dialogues: python report.py {results}   "
-          f"(against another model: python report.py --compare OTHER.jsonl {results})")
+    report = common.script_command("report.py")
+    print(f"\nread the dialogues: {report} {results}   (against another model: {report} --compare OTHER.jsonl "
+          f"{results})")
 
 
 if __name__ == "__main__":

@@ -192,13 +192,16 @@ def main(argv=None) -> None:
         sys.exit(f"error: {error}")
     decimals = METRICS[args.metric][3]
     all_edges = {run_dir: compare_edges(means) for run_dir, means in all_means.items()}
+    names = {run_dir: run_dir.name for run_dir in runs}
+    if len(set(names.values())) < len(names):  # a/run and b/run: their paths tell them apart
+        names = {run_dir: str(run_dir) for run_dir in runs}
     print("| run | steps | first 20% | last 20% | difference |")
     print("|---|---|---|---|---|")
     for run_dir, edges in all_edges.items():
-        print(f"| {run_dir.name} | {edges['steps']} | {edges['first']:.{decimals}f} +- {edges['first_se']:.{decimals}f} | "
+        print(f"| {names[run_dir]} | {edges['steps']} | {edges['first']:.{decimals}f} +- {edges['first_se']:.{decimals}f} | "
               f"{edges['last']:.{decimals}f} +- {edges['last_se']:.{decimals}f} | "
               f"{edges['difference']:+.{decimals}f} +- {edges['difference_se']:.{decimals}f} |")
-    curves = {f"{run_dir.name} ({edges['first']:.{decimals}f} -> {edges['last']:.{decimals}f})":
+    curves = {f"{names[run_dir]} ({edges['first']:.{decimals}f} -> {edges['last']:.{decimals}f})":
               (list(all_means[run_dir]), list(all_means[run_dir].values()), None)
               for run_dir, edges in all_edges.items() if run_dir in args.runs}
     if arms:

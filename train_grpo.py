@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer.push_to_hub()
     runner.close()
     if trainer.accelerator.is_main_process:
-        print(f"read the dialogues: python report.py {shlex.quote(training_args.output_dir)}")
+        print(f"read the dialogues: {common.script_command('report.py')} {shlex.quote(training_args.output_dir)}")
 
 
 if __name__ == "__main__":

@@ -741,7 +741,7 @@ def main(argv=None) -> None:
         torch.save(networks.critic.state_dict(), output_dir / "critic.pt")
     accelerator.end_training()
     runner.close()
-    accelerator.print(f"read the dialogues: python report.py {shlex.quote(str(output_dir))}")
+    accelerator.print(f"read the dialogues: {common.script_command('report.py')} {shlex.quote(str(output_dir))}")
 
 
 def parse_arguments(argv=None):

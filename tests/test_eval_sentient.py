@@ -263,3 +263,10 @@ def test_a_lora_folder_from_training_is_tested_on_its_base_model(tiny_model_dir,
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, trained(ids).logits, atol=1e-5)
         assert not torch.allclose(model(ids).logits, AutoModelForCausalLM.from_pretrained(tiny_model_dir)(ids).logits)
+
+
+def test_the_leaderboard_tells_result_files_of_one_name_apart_by_their_paths():
+    summary = {"score": 50.0, "score_ci95": [40.0, 60.0], "n": 2, "success": 0, "failure": 0, "mean_turns": 3.0}
+    board = eval_sentient.leaderboard({"a/results.jsonl": summary, "b/results.jsonl": {**summary, "score": 60.0}})
+    assert [line.split()[1] for line in board.splitlines()[1:3]] == ["b/results.jsonl", "a/results.jsonl"]
+    assert eval_sentient.leaderboard({"a/x.jsonl": summary}).splitlines()[1].split()[1] == "x.jsonl"

@@ -373,3 +373,11 @@ def test_an_output_that_is_a_link_loop_is_named_as_one(tmp_path):
 def test_a_config_given_twice_is_refused_naming_it(tmp_path):
     with pytest.raises(common.ArgumentError, match="--config is given twice; give one YAML file"):
         common.config_file(["--config", "a.yaml", "--config=b.yaml"])
+
+
+def test_a_printed_command_names_the_script_as_it_runs_from_the_current_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(common.REPO_DIR)
+    assert common.script_command("report.py") == "python report.py"
+    monkeypatch.chdir(tmp_path)  # a run started elsewhere: `python report.py` would not be found there
+    shown = common.script_command("report.py").removeprefix("python ")
+    assert (tmp_path / shown).resolve() == common.REPO_DIR / "report.py"

@@ -119,3 +119,11 @@ def test_a_run_too_short_for_separate_first_and_last_steps_is_refused(steps, tmp
     assert exit_info.value.code == (f"error: {run}: {steps} step{'s' if steps > 1 else ''}; comparing its first "
                                     "and last steps needs at least 4 (2 at each end)")
     assert not (tmp_path / "p.png").exists()
+
+
+def test_runs_of_the_same_folder_name_are_told_apart_by_their_paths(tmp_path, capsys):
+    first, second = run_of(tmp_path / "a" / "run", [[30], [40], [50], [60]]), run_of(tmp_path / "b" / "run",
+                                                                                     [[30], [30], [30], [30]])
+    plot_training.main([str(first), str(second), "--out", str(tmp_path / "p.png")])
+    out = capsys.readouterr().out
+    assert f"| {first} | 4 |" in out and f"| {second} | 4 |" in out
