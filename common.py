@@ -101,6 +101,8 @@ def json_lines(path, what: str, error=InputError, skip_cut_last_line: bool = Fal
                     warn(f"{where}: the last line is cut short (a run killed while writing it?); left out")
                     return
                 cut_note = "; it is the last line, cut short (a run killed while writing it?)" if cut else ""
+                if number == 1 and text.strip() in ("{", "["):  # a JSON document spread over lines (a summary)
+                    cut_note = f"; a JSON document over several lines, not JSON Lines (is it the {what}?)"
                 raise error(f"{where}: not valid JSON ({parse_error.msg} at column {parse_error.colno})"
                             f"{cut_note}") from None
 

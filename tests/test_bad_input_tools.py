@@ -359,3 +359,12 @@ def test_a_missing_profile_id_names_the_file_searched(capsys):
         simulator.main(["--profile", "en-bench-01"])
     assert stopped.value.code.startswith(f"error: no profile with id 'en-bench-01' in {simulator.DEFAULT_PROFILES} "
                                          "(--profiles); its ids look like ")
+
+
+def test_a_json_document_given_for_json_lines_is_named_as_one(tmp_path):
+    """An evaluation's summary (indented JSON) given to report.py: its first line alone is not JSON."""
+    summary = tmp_path / "r.summary.json"
+    summary.write_text(json.dumps({"score": 50, "n": 2}, indent=2))
+    assert exit_message(report.main, [str(summary)]) == (
+        f"error: {summary}:1: not valid JSON (Expecting property name enclosed in double quotes at column 1); a JSON "
+        "document over several lines, not JSON Lines (is it the transcript or result file?)")
