@@ -343,8 +343,10 @@ def check_output_file(path, option: str, made_here=None, inputs=()) -> None:
     check_output_folder(path.parent, option, given=path)
 
 
-def handle_signals(on_terminate: str) -> None:
-    """Set by each script run as a program, before its slow imports. Ctrl-C before main() runs (while torch
+def start_script(on_terminate: str) -> None:
+    """Called by each script run as a program, before its slow imports. Its output never fails on a character
+    the terminal's encoding lacks (PYTHONIOENCODING=ascii and a path with an accent: the summary was lost to
+    a UnicodeEncodeError after the work was done); it is escaped instead. Ctrl-C before main() runs (while torch
     and transformers load: seconds) exits 130 with one line instead of the cut import's traceback; from main()
     on it is Python's KeyboardInterrupt, which each script handles. SIGTERM (a scheduler ending the job, or a
     launcher ending the other processes when one failed) exits 143 at once, saving nothing new, with one line
@@ -363,6 +365,9 @@ def handle_signals(on_terminate: str) -> None:
         print(f"\nstopped by SIGTERM: nothing new saved; {on_terminate}", file=sys.stderr, flush=True)
         os._exit(143)  # not SystemExit: exit handlers may wait on a process that is gone
 
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):  # not where a caller swapped the stream for its own
+            stream.reconfigure(errors="backslashreplace")
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, terminate)
 

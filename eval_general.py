@@ -58,7 +58,7 @@ from pathlib import Path
 import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
 
 if __name__ == "__main__":
-    common.handle_signals("the graded items' rows are in --output_dir (run the same command again to grade the rest)")
+    common.start_script("the graded items' rows are in --output_dir (run the same command again to grade the rest)")
 
 import numpy as np
 from transformers import HfArgumentParser

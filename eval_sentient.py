@@ -42,7 +42,7 @@ from pathlib import Path
 import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
 
 if __name__ == "__main__":
-    common.handle_signals("the finished scenarios' rows are in --output (run the same command again to play the rest)")
+    common.start_script("the finished scenarios' rows are in --output (run the same command again to play the rest)")
 
 import numpy as np
 from transformers import HfArgumentParser

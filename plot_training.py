@@ -118,6 +118,14 @@ def arm_curve(runs_means: list[dict[int, float]]) -> tuple[list[int], list[float
     return steps, [mean for mean, _ in pairs], [error for _, error in pairs]
 
 
+def table_cells(figures: dict, decimals: int) -> str:
+    """First, last and difference, each +- its standard error ("n/a" where there is none: an arm of one seed)."""
+    def cell(key: str, sign: str = "") -> str:
+        error = figures[f"{key}_se"]
+        return f"{figures[key]:{sign}.{decimals}f} +- " + ("n/a" if math.isnan(error) else f"{error:.{decimals}f}")
+    return f"{cell('first')} | {cell('last')} | {cell('difference', '+')}"
+
+
 def smooth(values: list[float]) -> list[float]:
     return [statistics.mean(values[max(0, i - SMOOTHING + 1):i + 1]) for i in range(len(values))]
 
@@ -198,9 +206,7 @@ def main(argv=None) -> None:
     print("| run | steps | first 20% | last 20% | difference |")
     print("|---|---|---|---|---|")
     for run_dir, edges in all_edges.items():
-        print(f"| {names[run_dir]} | {edges['steps']} | {edges['first']:.{decimals}f} +- {edges['first_se']:.{decimals}f} | "
-              f"{edges['last']:.{decimals}f} +- {edges['last_se']:.{decimals}f} | "
-              f"{edges['difference']:+.{decimals}f} +- {edges['difference_se']:.{decimals}f} |")
+        print(f"| {names[run_dir]} | {edges['steps']} | {table_cells(edges, decimals)} |")
     curves = {f"{names[run_dir]} ({edges['first']:.{decimals}f} -> {edges['last']:.{decimals}f})":
               (list(all_means[run_dir]), list(all_means[run_dir].values()), None)
               for run_dir, edges in all_edges.items() if run_dir in args.runs}
@@ -209,9 +215,7 @@ def main(argv=None) -> None:
         print("|---|---|---|---|---|")
     for label, arm_runs in arms.items():
         summary = arm_summary([all_edges[run_dir] for run_dir in arm_runs])
-        print(f"| {label} | {summary['runs']} | {summary['first']:.{decimals}f} +- {summary['first_se']:.{decimals}f} | "
-              f"{summary['last']:.{decimals}f} +- {summary['last_se']:.{decimals}f} | "
-              f"{summary['difference']:+.{decimals}f} +- {summary['difference_se']:.{decimals}f} |")
+        print(f"| {label} | {summary['runs']} | {table_cells(summary, decimals)} |")
         seeds = f"{len(arm_runs)} seed{'s' if len(arm_runs) > 1 else ''}"
         curves[f"{label}, {seeds} ({summary['first']:.{decimals}f} -> {summary['last']:.{decimals}f})"] = arm_curve(
             [all_means[run_dir] for run_dir in arm_runs])
@@ -220,7 +224,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    common.handle_signals("run it again (a plot being written may be cut short)")
+    common.start_script("run it again (a plot being written may be cut short)")
     try:
         main()
     except KeyboardInterrupt:

@@ -403,7 +403,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    common.handle_signals("run it again (a page being written may be cut short)")
+    common.start_script("run it again (a page being written may be cut short)")
     try:
         main()
     except KeyboardInterrupt:

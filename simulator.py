@@ -748,5 +748,5 @@ async def _talk(play_args: PlayArguments, simulator_args: SimulatorArguments) ->
 
 
 if __name__ == "__main__":
-    common.handle_signals("the dialogue was left")
+    common.start_script("the dialogue was left")
     main()

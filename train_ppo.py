@@ -94,7 +94,7 @@ from typing import Literal
 import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
 
 if __name__ == "__main__":
-    common.handle_signals("the checkpoints in --output_dir are whole (continue from the newest with --resume)")
+    common.start_script("the checkpoints in --output_dir are whole (continue from the newest with --resume)")
 
 import numpy as np
 import torch

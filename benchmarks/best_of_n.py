@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project's mo
 import common  # noqa: E402  (before the libraries below: quick, and it quiets a Ctrl-C while they load)
 
 if __name__ == "__main__":
-    common.handle_signals("each finished n's row is in --output (where given)")
+    common.start_script("each finished n's row is in --output (where given)")
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402

@@ -32,7 +32,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import common  # noqa: E402  (before the libraries below: quick, and it quiets a Ctrl-C while they load)
 
 if __name__ == "__main__":
-    common.handle_signals("nothing measured")
+    common.start_script("nothing measured")
 
 import torch  # noqa: E402
 from fake_openai import FakeOpenAIServer  # noqa: E402

@@ -272,7 +272,7 @@ def test_report_names_a_row_whose_emotion_is_not_a_number_and_an_out_path_ending
 
 
 def started_handling_signals(process, timeout=30) -> None:
-    """Wait until the process catches SIGTERM (common.handle_signals ran): /proc's SigCgt mask, bit 15 - 1."""
+    """Wait until the process catches SIGTERM (common.start_script ran): /proc's SigCgt mask, bit 15 - 1."""
     import time
 
     deadline = time.time() + timeout
@@ -368,3 +368,13 @@ def test_a_json_document_given_for_json_lines_is_named_as_one(tmp_path):
     assert exit_message(report.main, [str(summary)]) == (
         f"error: {summary}:1: not valid JSON (Expecting property name enclosed in double quotes at column 1); a JSON "
         "document over several lines, not JSON Lines (is it the transcript or result file?)")
+
+
+@pytest.mark.slow
+def test_a_path_the_terminal_cannot_encode_is_printed_escaped_not_a_traceback(tmp_path):
+    """PYTHONIOENCODING=ascii and a folder with an accent: the last print failed after the work was done."""
+    run = steps_run(tmp_path / "ünï", steps=4)
+    finished = subprocess.run([sys.executable, str(REPO / "report.py"), str(run)], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert finished.returncode == 0 and "Traceback" not in finished.stderr, finished.stderr[-2000:]
+    assert "wrote " in finished.stdout and "\\xfcn\\xef" in finished.stdout and (run / "report.html").is_file()

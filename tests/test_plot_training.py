@@ -127,3 +127,9 @@ def test_runs_of_the_same_folder_name_are_told_apart_by_their_paths(tmp_path, ca
     plot_training.main([str(first), str(second), "--out", str(tmp_path / "p.png")])
     out = capsys.readouterr().out
     assert f"| {first} | 4 |" in out and f"| {second} | 4 |" in out
+
+
+def test_an_arm_of_one_seed_says_it_has_no_standard_error_instead_of_nan(tmp_path, capsys):
+    run = run_of(tmp_path / "a", [[30], [40], [50], [60]])
+    plot_training.main(["--arm", "one seed", str(run), "--out", str(tmp_path / "p.png")])
+    assert "| one seed | 1 | 35.0 +- n/a | 55.0 +- n/a | +20.0 +- n/a |" in capsys.readouterr().out
