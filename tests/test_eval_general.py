@@ -512,9 +512,10 @@ def test_an_endpoint_in_think_mode_is_graded_on_the_text_after_the_thought(tmp_p
 def test_a_bad_task_name_or_missing_local_file_fails_before_any_model_loads(tmp_path):
     result = run_eval("--tasks", "math", "--model", "no/such-model")
     assert result.returncode != 0 and "--tasks 'math': must be one or more of math500" in result.stderr
-    unloadable = tmp_path / "unloadable"  # passes the model check; loading it would fail
+    unloadable = tmp_path / "unloadable"  # passes the model checks; loading it would fail
     unloadable.mkdir()
-    (unloadable / "config.json").write_text("{}")
+    (unloadable / "config.json").write_text('{"model_type": "llama"}')
+    (unloadable / "model.safetensors").write_bytes(b"not weights")
     result = run_eval("--tasks", "math500", "--math500_path", str(tmp_path / "missing.jsonl"),
                       "--model", str(unloadable))
     assert result.returncode != 0 and "missing.jsonl: data file not found" in result.stderr

@@ -162,7 +162,8 @@ def run_ppo(tiny_model_dir, output_dir, *flags, launcher=(sys.executable,)):
     assert finished.returncode == 0, finished.stderr[-3000:]
     # The progress bar (written once when not on a terminal) and the pointer to the report.
     assert "PPO dialogues" in finished.stdout and "mean emotion" in finished.stdout
-    assert f"read the dialogues: python report.py {output_dir}" in finished.stdout
+    shown = os.path.relpath(REPO / "report.py", output_dir.parent)  # as it runs from where the run was started
+    assert f"read the dialogues: python {shown} {output_dir}" in finished.stdout
     transcripts = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return transcripts, metrics
