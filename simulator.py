@@ -489,10 +489,12 @@ class OfficialSimulator(Simulator):
     What stays ours: the bounded retries, the change bound (RLVER's own is none), call counting, and the
     termination rules, except that a goodbye is "再见" or "拜拜" anywhere in the message, as in SAGE."""
 
-    def __init__(self, profile, chat, prompts: "official.OfficialPrompts", *, parse_attempts: int = 3, **options):
+    def __init__(self, profile, chat, prompts: "official.OfficialPrompts", *, parse_attempts: int = 3,
+                 empty_user_message: str = "keep", **options):
         super().__init__(profile, **options)
         self.chat, self.prompts, self.parse_attempts = chat, prompts, parse_attempts
         self.format_retries = 0
+        self.keep_empty = empty_user_message == "keep"  # as both released loops do (SimulatorArguments)
 
     async def _ask(self, prompt: str) -> str:
         return await self.chat.complete([{"role": "user", "content": prompt}], stats=self.calls)
@@ -527,7 +529,7 @@ class OfficialSimulator(Simulator):
     async def _message(self, prompt: str) -> str:
         for _ in range(self.parse_attempts):
             message = official.reply_message(await self._ask(prompt))
-            if message.strip():
+            if message.strip() or self.keep_empty:
                 return message
         raise SimulatorError(f"profile {self.profile.id}: the simulator returned an empty message "
                              f"{self.parse_attempts} times")
@@ -574,11 +576,20 @@ class SimulatorArguments:
         "choices": ["ours", *official.SOURCES]})
     official_repo: str | None = field(default=None, metadata={
         "help": "a checkout of github.com/Tencent/digitalhuman, for --simulator_prompts/--policy_prompts sage|rlver"})
+    empty_user_message: str | None = field(default=None, metadata={
+        "help": "with --simulator_prompts sage|rlver, a user message that comes back empty: keep (the released "
+                "loops go on with it; the default) or ask_again (ours: at most 3 times, then the dialogue fails; "
+                "our prompts always do)", "choices": [None, "keep", "ask_again"]})
 
     def __post_init__(self):
         common.check_options(self, simulator_timeout=common.POSITIVE, simulator_max_retries=common.NOT_NEGATIVE,
                              change_bound=(lambda value: 1 <= value <= MAX_EMOTION, f"within 1-{MAX_EMOTION}"),
                              base_url=common.URL)
+        if self.empty_user_message == "keep" and self.simulator_prompts == "ours":
+            raise common.ArgumentError("--empty_user_message keep: our prompts ask again for an empty message; keep "
+                                       "is the released loops' way (--simulator_prompts sage or rlver)")
+        if self.empty_user_message is None:
+            self.empty_user_message = "ask_again" if self.simulator_prompts == "ours" else "keep"
         if self.simulator_prompts != "ours" and self.variant != "vanilla":
             raise common.ArgumentError(f"--variant {self.variant}: the {self.simulator_prompts} prompts have one "
                                        "variant; variants are ours (--simulator_prompts ours)")
@@ -646,15 +657,17 @@ def make_chat(args: SimulatorArguments):
     raise ValueError(f"backend must be one of {BACKENDS}, got {args.backend!r}")
 
 
-def make_simulator(profile, chat=None, official_prompts=None, **options) -> Simulator:
+def make_simulator(profile, chat=None, official_prompts=None, empty_user_message: str = "keep",
+                   **options) -> Simulator:
     """A fresh simulator for one dialogue: the rule backend when `chat` is None, else the LLM one, with our
-    prompts or, given `official_prompts` (`SimulatorArguments.official`), the released code's."""
+    prompts or, given `official_prompts` (`SimulatorArguments.official`), the released code's, which keep an
+    empty user message unless `empty_user_message` is "ask_again"."""
     if chat is None:
         from rule_user import RuleSimulator  # here, not at the top: rule_user.py builds on this module
 
         return RuleSimulator(profile, **options)
     if official_prompts is not None:
-        return OfficialSimulator(profile, chat, official_prompts, **options)
+        return OfficialSimulator(profile, chat, official_prompts, empty_user_message=empty_user_message, **options)
     return LLMSimulator(profile, chat, **options)
 
 
@@ -739,7 +752,8 @@ async def _talk(play_args: PlayArguments, simulator_args: SimulatorArguments) ->
     if chat is not None:
         await chat.check()
     simulator = make_simulator(
-        profile, chat, simulator_args.official("simulator_prompts"), variant=simulator_args.variant,
+        profile, chat, simulator_args.official("simulator_prompts"), simulator_args.empty_user_message,
+        variant=simulator_args.variant,
         change_bound=simulator_args.change_bound,
         language=simulator_args.language,
         start_emotion=BENCHMARK_START_EMOTION if play_args.benchmark else TRAIN_START_EMOTION,

@@ -426,3 +426,8 @@ def test_two_outputs_sharing_one_summary_file_are_refused_keeping_the_first_summ
     assert (status, error) == (1, f"error: --output {tmp_path / 'col'}: its summary file, {summary}, is the summary "
                                   f"of {tmp_path / 'col.jsonl'}; give an --output of another name")
     assert summary.read_text() == before
+
+
+def test_keeping_an_empty_user_message_is_for_the_released_prompts_only(capsys):
+    status, error = outcome(eval_sentient.main, ["--empty_user_message", "keep"], capsys)
+    assert status == 2 and "--empty_user_message keep: our prompts ask again for an empty message" in error

@@ -527,8 +527,11 @@ def test_an_official_analysis_is_asked_again_up_to_parse_attempts(source):
     assert (turn.change, user.format_retries, len(chat.sent)) == (4, 3, 5)
     with pytest.raises(SimulatorError, match=f"{source} analysis could not be parsed after 2 attempts"):
         run(official_turns(source, [bad, bad], ["好"], parse_attempts=2))
-    with pytest.raises(SimulatorError, match="empty message 2 times"):
-        run(official_turns(source, [official_analysis("+4"), "Response:\n", "Response:\n[]"], ["好"], parse_attempts=2))
+    with pytest.raises(SimulatorError, match="empty message 2 times"):  # ours, asked for (--empty_user_message)
+        run(official_turns(source, [official_analysis("+4"), "Response:\n", "Response:\n[]"], ["好"], parse_attempts=2,
+                           empty_user_message="ask_again"))
+    user, chat, [turn] = run(official_turns(source, [official_analysis("+4"), "Response:\n"], ["好"]))
+    assert (turn.message, len(chat.sent)) == ("", 2)  # the released loops' way, the default: kept, not asked again
 
 
 # --------------------------------------------------------------------------------------------
