@@ -443,3 +443,17 @@ def test_train_ppo_trains_against_rlvers_user_from_the_command_line(tiny_model_d
     assert [row["emo_point"] for row in rows] == [40, 40]  # 30 + 5 + 5, as RLVER's parser read the analyses
     assert all(m["content"] == "就是说啊，气死了。" for row in rows for m in row["history"][1:] if m["role"] == "user")
     assert len(server.requests) == 8 and all(len(body["messages"]) == 1 for body in server.requests)
+
+
+@needs_repo
+@pytest.mark.parametrize("trainer", ["train_ppo", "train_grpo"])
+@pytest.mark.parametrize("flags, keeps", [([], True), (["--empty_user_message", "ask_again"], False)])
+def test_the_empty_user_message_option_reaches_the_trainers_simulated_users(trainer, flags, keeps):
+    import importlib
+
+    module = importlib.import_module(trainer)
+    parsed = module.parse_arguments(["--backend", "llm", "--simulator_prompts", "rlver", "--official_repo", str(REPO),
+                                     *flags])
+    dialogue_args, simulator_args = parsed[1:3] if trainer == "train_ppo" else parsed[:2]
+    user = rollout.new_simulator(zh_profile(), object(), dialogue_args, simulator_args)
+    assert user.keep_empty is keeps
