@@ -571,7 +571,8 @@ RUN_MARKER = "rlver-run.json"  # written into a trainer's output folder when its
 RUN_SETTINGS = ("think", "start_emotion", "max_turns", "max_think_tokens", "max_reply_tokens", "max_dialogue_tokens",
                 "format_penalty", "policy_prompt", "backend", "variant", "simulator_model", "change_bound",
                 "language", "simulator_prompts", "policy_prompts", "use_peft", "lora_r", "lora_alpha", "dtype",
-                "temperature", "turn_credit", "profiles", "empty_user_message")
+                "temperature", "turn_credit", "profiles", "empty_user_message",
+                "analysis_emotion")
 
 
 def run_settings(names, *options) -> dict:

@@ -232,8 +232,8 @@ def run_record(args: EvalArguments, simulator_args: simulator.SimulatorArguments
                           "change_bound": "change_bound",
                           "simulator_language": "language", "simulator_prompts": "simulator_prompts",
                           "policy_prompts": "policy_prompts"}
-    if simulator_args.simulator_prompts != "ours":  # ours always ask again
-        simulator_settings["empty_user_message"] = "empty_user_message"
+    if simulator_args.simulator_prompts != "ours":  # ours always ask again, and show the current emotion
+        simulator_settings.update(empty_user_message="empty_user_message", analysis_emotion="analysis_emotion")
     return {**common.model_record(args.model, args.model_base_url),
             **{key: getattr(args, key) for key in settings},
             **{key: getattr(simulator_args, option) for key, option in simulator_settings.items()}}

@@ -221,7 +221,8 @@ def new_simulator(profile, chat, dialogue_args: DialogueArguments,
                   simulator_args: simulator.SimulatorArguments) -> simulator.Simulator:
     """A fresh simulated user for one dialogue: the dialogue's start and turn limit, the simulator's options."""
     return simulator.make_simulator(profile, chat, simulator_args.official("simulator_prompts"),
-                                    simulator_args.empty_user_message, start_emotion=dialogue_args.start_emotion,
+                                    simulator_args.empty_user_message, simulator_args.analysis_emotion,
+                                    start_emotion=dialogue_args.start_emotion,
                                     max_turns=dialogue_args.max_turns, variant=simulator_args.variant,
                                     change_bound=simulator_args.change_bound, language=simulator_args.language)
 

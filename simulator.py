@@ -490,11 +490,12 @@ class OfficialSimulator(Simulator):
     termination rules, except that a goodbye is "再见" or "拜拜" anywhere in the message, as in SAGE."""
 
     def __init__(self, profile, chat, prompts: "official.OfficialPrompts", *, parse_attempts: int = 3,
-                 empty_user_message: str = "keep", **options):
+                 empty_user_message: str = "keep", analysis_emotion: str = "current", **options):
         super().__init__(profile, **options)
         self.chat, self.prompts, self.parse_attempts = chat, prompts, parse_attempts
         self.format_retries = 0
         self.keep_empty = empty_user_message == "keep"  # as both released loops do (SimulatorArguments)
+        self.analysis_emotion = analysis_emotion
 
     async def _ask(self, prompt: str) -> str:
         return await self.chat.complete([{"role": "user", "content": prompt}], stats=self.calls)
@@ -507,7 +508,10 @@ class OfficialSimulator(Simulator):
 
     async def _judge(self, reply_text: str) -> tuple[int, str]:
         history = self.history + [{"role": "assistant", "content": reply_text}]
-        prompt = self.prompts.analysis_prompt(self.profile, self.emotion, history)
+        # RLVER's released reply() copies only the history back into its player data: its analysis prompts all
+        # show the starting emotion (SimulatorArguments.analysis_emotion).
+        shown = self.start_emotion if self.analysis_emotion == "start" else self.emotion
+        prompt = self.prompts.analysis_prompt(self.profile, shown, history)
         problem = None
         for attempt in range(self.parse_attempts):
             if attempt:
@@ -576,6 +580,10 @@ class SimulatorArguments:
         "choices": ["ours", *official.SOURCES]})
     official_repo: str | None = field(default=None, metadata={
         "help": "a checkout of github.com/Tencent/digitalhuman, for --simulator_prompts/--policy_prompts sage|rlver"})
+    analysis_emotion: str = field(default="current", metadata={
+        "help": "with --simulator_prompts rlver, the emotion its analysis prompt shows: current (the user's emotion "
+                "now, as the released functions take it) or start (the dialogue's first, on every turn, as the "
+                "released PlayerSimulator.reply() shows it)", "choices": ["current", "start"]})
     empty_user_message: str | None = field(default=None, metadata={
         "help": "with --simulator_prompts sage|rlver, a user message that comes back empty: keep (the released "
                 "loops go on with it; the default) or ask_again (ours: at most 3 times, then the dialogue fails; "
@@ -585,6 +593,9 @@ class SimulatorArguments:
         common.check_options(self, simulator_timeout=common.POSITIVE, simulator_max_retries=common.NOT_NEGATIVE,
                              change_bound=(lambda value: 1 <= value <= MAX_EMOTION, f"within 1-{MAX_EMOTION}"),
                              base_url=common.URL)
+        if self.analysis_emotion == "start" and self.simulator_prompts != "rlver":
+            raise common.ArgumentError("--analysis_emotion start: the released RLVER loop's way, for "
+                                       "--simulator_prompts rlver only")
         if self.empty_user_message == "keep" and self.simulator_prompts == "ours":
             raise common.ArgumentError("--empty_user_message keep: our prompts ask again for an empty message; keep "
                                        "is the released loops' way (--simulator_prompts sage or rlver)")
@@ -658,16 +669,17 @@ def make_chat(args: SimulatorArguments):
 
 
 def make_simulator(profile, chat=None, official_prompts=None, empty_user_message: str = "keep",
-                   **options) -> Simulator:
+                   analysis_emotion: str = "current", **options) -> Simulator:
     """A fresh simulator for one dialogue: the rule backend when `chat` is None, else the LLM one, with our
     prompts or, given `official_prompts` (`SimulatorArguments.official`), the released code's, which keep an
-    empty user message unless `empty_user_message` is "ask_again"."""
+    empty user message unless `empty_user_message` is "ask_again", and show the `analysis_emotion`."""
     if chat is None:
         from rule_user import RuleSimulator  # here, not at the top: rule_user.py builds on this module
 
         return RuleSimulator(profile, **options)
     if official_prompts is not None:
-        return OfficialSimulator(profile, chat, official_prompts, empty_user_message=empty_user_message, **options)
+        return OfficialSimulator(profile, chat, official_prompts, empty_user_message=empty_user_message,
+                                 analysis_emotion=analysis_emotion, **options)
     return LLMSimulator(profile, chat, **options)
 
 
@@ -753,7 +765,7 @@ async def _talk(play_args: PlayArguments, simulator_args: SimulatorArguments) ->
         await chat.check()
     simulator = make_simulator(
         profile, chat, simulator_args.official("simulator_prompts"), simulator_args.empty_user_message,
-        variant=simulator_args.variant,
+        simulator_args.analysis_emotion, variant=simulator_args.variant,
         change_bound=simulator_args.change_bound,
         language=simulator_args.language,
         start_emotion=BENCHMARK_START_EMOTION if play_args.benchmark else TRAIN_START_EMOTION,

@@ -274,7 +274,7 @@ def test_the_rule_users_points_are_one_edit_of_its_table(make_profile, monkeypat
 
 CASES = {name.removeprefix("check_"): check for name, check in globals().items() if name.startswith("check_")}
 # The released prompts' knobs need a checkout: tests/test_official_prompts.py carries them through the trainers.
-OFFICIAL = {"simulator_prompts", "policy_prompts", "official_repo", "empty_user_message"}
+OFFICIAL = {"simulator_prompts", "policy_prompts", "official_repo", "empty_user_message", "analysis_emotion"}
 
 
 def test_every_knob_has_a_case():

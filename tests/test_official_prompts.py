@@ -457,3 +457,44 @@ def test_the_empty_user_message_option_reaches_the_trainers_simulated_users(trai
     dialogue_args, simulator_args = parsed[1:3] if trainer == "train_ppo" else parsed[:2]
     user = rollout.new_simulator(zh_profile(), object(), dialogue_args, simulator_args)
     assert user.keep_empty is keeps
+
+
+def rlver_analysis(change: str) -> str:
+    return RLVER_ANALYSIS.replace("Change:\n+5", f"Change:\n{change}")
+
+
+@needs_repo
+@pytest.mark.parametrize("analysis_emotion", ["start", "current"])
+def test_rlvers_released_loop_shows_the_starting_emotion_in_every_analysis_and_the_option_replays_it(
+        analysis_emotion, monkeypatch):
+    """PlayerSimulator.reply() copies only the history back into its player data, so every analysis prompt
+    shows the emotion the dialogue started at; `--analysis_emotion start` sends those prompts byte for byte,
+    `current` (the default) the emotion as it is now in every analysis after the first change."""
+    module = load_rlver(monkeypatch)
+    profile, opening = zh_profile(), "唉，今天开会又被张浩抢了功劳。"
+    changes, replies = ["+5", "-3", "+8", "+2"], ["我在听。", "慢慢说。", "换我也会生气。", "你想怎么办？"]
+    outputs = [text for index, change in enumerate(changes) for text in (rlver_analysis(change),
+                                                                           f"Response:\n第{index}句")]
+    released = Recorder(outputs)
+    monkeypatch.setattr(module, "call_api", released)
+    player = rlver_player(module, 30)
+    player.role = official_data(profile, 30, [{"role": "user", "content": opening, "emotion-point": 30}],
+                                target="eq")
+    said = [player.reply(reply)["content"] for reply in replies]
+
+    async def ours(server):
+        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
+        user = simulator.make_simulator(profile, chat, official.load("rlver", str(REPO)),
+                                        analysis_emotion=analysis_emotion, start_emotion=30, change_bound=100)
+        await user.open(opening)
+        return user, [(await user.respond(reply)).message for reply in replies]
+
+    with FakeOpenAIServer(list(outputs)) as server:
+        user, messages = asyncio.run(ours(server))
+    sent = [body["messages"][0]["content"] for body in server.requests]
+    assert messages == said and user.emotion == player.emo_point == 30 + 5 - 3 + 8 + 2
+    differing = [index for index, (a, b) in enumerate(zip(sent, released.prompts)) if a != b]
+    if analysis_emotion == "start":
+        assert differing == []
+    else:  # the analyses of turns 2-4 (requests 2, 4, 6) show 35, 32, 40 where the released loop shows 30
+        assert differing == [2, 4, 6] and "当前的情绪是35" in sent[2] and "当前的情绪是30" in released.prompts[2]
