@@ -572,7 +572,7 @@ RUN_SETTINGS = ("think", "start_emotion", "max_turns", "max_think_tokens", "max_
                 "format_penalty", "policy_prompt", "backend", "variant", "simulator_model", "change_bound",
                 "language", "simulator_prompts", "policy_prompts", "use_peft", "lora_r", "lora_alpha", "dtype",
                 "temperature", "turn_credit", "profiles", "empty_user_message",
-                "analysis_emotion")
+                "analysis_emotion", "simulator_temperature", "simulator_max_tokens")
 
 
 def run_settings(names, *options) -> dict:
@@ -797,8 +797,11 @@ class ChatClient:
     (one connection pool) serves every dialogue; `totals` counts its traffic."""
 
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
-                 temperature: float = 0.7, max_tokens: int = 512, timeout: float = 120.0,
-                 max_retries: int = 3, role: str = "simulator"):
+                 temperature: float | None = 0.7, max_tokens: int | None = 512, timeout: float = 120.0,
+                 max_retries: int = 3, role: str = "simulator", whole_answers: bool = False):
+        """`temperature`, `max_tokens`: sent when not None (else the server's own). `whole_answers`: an answer
+        cut at max_tokens (finish_reason "length") is a failed call, never an answer: a simulated user's
+        reply cut before its `Response:` would otherwise become the user's whole message."""
         import openai
 
         if not is_url(base_url):
@@ -813,7 +816,7 @@ class ChatClient:
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries,
                                          http_client=http_client)
         self.base_url, self.model, self.role = base_url, model, role  # role names the endpoint in errors
-        self.temperature, self.max_tokens = temperature, max_tokens
+        self.temperature, self.max_tokens, self.whole_answers = temperature, max_tokens, whole_answers
         self.timeout, self.max_retries = timeout, max_retries
         self.totals = CallStats()
         self.retry_said_at = -math.inf  # when a retry was last said (time.monotonic)
@@ -865,9 +868,10 @@ class ChatClient:
         call = CallStats(calls=1)
         token = _CURRENT_CALL.set(call)
         try:
+            settings = {"temperature": self.temperature, "max_tokens": self.max_tokens, "seed": seed}
             response = await self.client.chat.completions.create(
-                model=self.model, messages=messages, temperature=self.temperature, max_tokens=self.max_tokens,
-                **({"seed": seed} if seed is not None else {}))
+                model=self.model, messages=messages,
+                **{name: value for name, value in settings.items() if value is not None})
             if response.usage is not None:
                 call.prompt_tokens = response.usage.prompt_tokens or 0
                 call.completion_tokens = response.usage.completion_tokens or 0
@@ -875,6 +879,10 @@ class ChatClient:
                 call.failed = 1
                 raise EndpointError(f"{self.role} endpoint {self.base_url} answered a chat completion without "
                                     "choices")
+            if self.whole_answers and response.choices[0].finish_reason == "length":
+                call.failed = 1
+                raise EndpointError(f"{self.role} endpoint {self.base_url} cut its answer at max_tokens "
+                                    f"{self.max_tokens} (finish_reason length); raise --simulator_max_tokens")
             return response.choices[0].message.content or ""
         except openai.APIError as error:
             call.failed = 1

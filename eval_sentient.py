@@ -232,6 +232,9 @@ def run_record(args: EvalArguments, simulator_args: simulator.SimulatorArguments
                           "change_bound": "change_bound",
                           "simulator_language": "language", "simulator_prompts": "simulator_prompts",
                           "policy_prompts": "policy_prompts"}
+    if simulator_args.backend == "llm":  # what its requests send
+        simulator_settings.update(simulator_temperature="simulator_temperature",
+                                  simulator_max_tokens="simulator_max_tokens")
     if simulator_args.simulator_prompts != "ours":  # ours always ask again, and show the current emotion
         simulator_settings.update(empty_user_message="empty_user_message", analysis_emotion="analysis_emotion")
     return {**common.model_record(args.model, args.model_base_url),

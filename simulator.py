@@ -567,6 +567,12 @@ class SimulatorArguments:
         "help": "seconds one simulator call may take (llm backend)"})
     simulator_max_retries: int = field(default=3, metadata={
         "help": "retries of a failed call: connection errors, timeouts, 429 (after Retry-After), 5xx (llm backend)"})
+    simulator_temperature: float | None = field(default=None, metadata={
+        "help": "sampling temperature sent with each simulator call (llm backend); default: 0.7 with our prompts, "
+                "none sent with sage/rlver (the released calls send none: the server's own applies)"})
+    simulator_max_tokens: int | None = field(default=None, metadata={
+        "help": "max_tokens sent with each simulator call (llm backend); default: 512 with our prompts, none "
+                "sent with sage/rlver. An answer cut at it is a failed call, never a message"})
     change_bound: int = field(default=CHANGE_BOUND, metadata={"help": "largest |emotion change| per turn"})
     language: str | None = field(default=None, metadata={
         "help": "simulator prompt language (en, zh); default: the profile's", "choices": [None, *LANGUAGES]})
@@ -591,6 +597,8 @@ class SimulatorArguments:
 
     def __post_init__(self):
         common.check_options(self, simulator_timeout=common.POSITIVE, simulator_max_retries=common.NOT_NEGATIVE,
+                             simulator_temperature=(lambda value: value is None or value >= 0, "0 or more"),
+                             simulator_max_tokens=(lambda value: value is None or value >= 1, "at least 1"),
                              change_bound=(lambda value: 1 <= value <= MAX_EMOTION, f"within 1-{MAX_EMOTION}"),
                              base_url=common.URL)
         if self.analysis_emotion == "start" and self.simulator_prompts != "rlver":
@@ -601,6 +609,9 @@ class SimulatorArguments:
                                        "is the released loops' way (--simulator_prompts sage or rlver)")
         if self.empty_user_message is None:
             self.empty_user_message = "ask_again" if self.simulator_prompts == "ours" else "keep"
+        if self.simulator_prompts == "ours":  # ours are written for these; the released calls send neither
+            self.simulator_temperature = 0.7 if self.simulator_temperature is None else self.simulator_temperature
+            self.simulator_max_tokens = self.simulator_max_tokens or 512
         if self.simulator_prompts != "ours" and self.variant != "vanilla":
             raise common.ArgumentError(f"--variant {self.variant}: the {self.simulator_prompts} prompts have one "
                                        "variant; variants are ours (--simulator_prompts ours)")
@@ -661,8 +672,10 @@ def make_chat(args: SimulatorArguments):
         base_url = args.base_url or os.environ.get("OPENAI_BASE_URL")
         if not base_url:
             raise SimulatorError("--backend llm needs --base_url, e.g. http://localhost:8000/v1 for `vllm serve`")
-        return common.ChatClient(base_url, args.simulator_model, args.api_key_env, timeout=args.simulator_timeout,
-                                 max_retries=args.simulator_max_retries)
+        return common.ChatClient(base_url, args.simulator_model, args.api_key_env,
+                                 temperature=args.simulator_temperature, max_tokens=args.simulator_max_tokens,
+                                 timeout=args.simulator_timeout, max_retries=args.simulator_max_retries,
+                                 whole_answers=True)
     if args.backend == "local":
         return LocalChat(args.simulator_model)
     raise ValueError(f"backend must be one of {BACKENDS}, got {args.backend!r}")

@@ -17,7 +17,8 @@ class FakeOpenAIServer:
     {"hang": seconds} no answer for that long (then "text", if given), {"truncated": True} a body
     cut short of its Content-Length, {"text": ..., "usage": False} an answer without usage (some servers),
     {"raw": text, "content_type": ...} a 200 whose body is that text (not OpenAI's JSON; also `models_raw`
-    for the model listing), {"choices": []} a completion without choices. Every request body is kept in
+    for the model listing), {"choices": []} a completion without choices, {"text": ..., "finish_reason": "length"}
+    an answer cut at the request's max_tokens. Every request body is kept in
     `requests`. Answers report token usage as a server does, counting whitespace-separated words (`usage_of`)."""
 
     def __init__(self, script=(), models=("sim-model",), default=None, respond=None, models_raw=None):
@@ -78,7 +79,8 @@ class FakeOpenAIServer:
                 else:
                     text = entry["text"] if isinstance(entry, dict) else entry
                     self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                                     "choices": [{"index": 0, "finish_reason": "stop",
+                                     "choices": [{"index": 0, "finish_reason": entry.get("finish_reason", "stop")
+                                                  if isinstance(entry, dict) else "stop",
                                                   "message": {"role": "assistant", "content": text}}],
                                      **({} if isinstance(entry, dict) and entry.get("usage") is False
                                         else {"usage": usage_of(body, text)})},

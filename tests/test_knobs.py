@@ -232,6 +232,16 @@ def check_simulator_timeout(parse, tokenizer, tmp_path):
     assert simulator.make_chat(parse(endpoint_flags(simulator_timeout=7.5))[1]).client.timeout == 7.5
 
 
+def check_simulator_temperature(parse, tokenizer, tmp_path):
+    assert simulator.make_chat(parse(endpoint_flags(simulator_temperature=0.3))[1]).temperature == 0.3
+    assert simulator.make_chat(parse(endpoint_flags())[1]).temperature == 0.7  # ours, by default
+
+
+def check_simulator_max_tokens(parse, tokenizer, tmp_path):
+    assert simulator.make_chat(parse(endpoint_flags(simulator_max_tokens=64))[1]).max_tokens == 64
+    assert simulator.make_chat(parse(endpoint_flags())[1]).max_tokens == 512  # ours, by default
+
+
 def check_simulator_max_retries(parse, tokenizer, tmp_path):
     assert simulator.make_chat(parse(endpoint_flags(simulator_max_retries=5))[1]).client.max_retries == 5
 

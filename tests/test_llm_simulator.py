@@ -384,3 +384,21 @@ def test_prompts_put_the_static_persona_first_so_servers_can_cache_the_prefix(ma
     for earlier, later in zip(analyses, analyses[1:]):
         dialogue_so_far = earlier[:earlier.index("\n\nTheir newest reply")]
         assert later.startswith(dialogue_so_far) and len(dialogue_so_far) > 100
+
+
+def test_a_simulator_answer_cut_at_max_tokens_fails_the_call_instead_of_becoming_the_message():
+    """A reply cut before it ends (finish_reason "length") would be the user's whole message."""
+    from fake_openai import FakeOpenAIServer
+
+    import common
+
+    async def ask(server, **settings):
+        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0, whole_answers=True, **settings)
+        return await chat.complete([{"role": "user", "content": "hi"}])
+
+    with FakeOpenAIServer([{"text": "Thinking: I feel", "finish_reason": "length"}, "whole"]) as server:
+        with pytest.raises(common.EndpointError, match="cut its answer at max_tokens 512 .*raise --simulator_max_tokens"):
+            asyncio.run(ask(server))
+        assert asyncio.run(ask(server, temperature=None, max_tokens=None)) == "whole"
+    assert [{key: body.get(key) for key in ("temperature", "max_tokens")} for body in server.requests] == [
+        {"temperature": 0.7, "max_tokens": 512}, {"temperature": None, "max_tokens": None}]  # None: not sent

@@ -385,6 +385,8 @@ def test_eval_sentient_with_sage_prompts_sends_the_official_prompts(tmp_path):
     assert summary["n"] == 2 and summary["score"] == 85  # 40 + 9 judged replies x 5
     assert model.requests[0]["messages"][0] == {"role": "system", "content": sage.policy_prompt(False)}
     assert all(len(body["messages"]) == 1 and body["messages"][0]["role"] == "user" for body in user.requests)
+    # Nothing the released call_llm does not send: no temperature, no max_tokens (only the model and messages).
+    assert {key for body in user.requests for key in body} == {"model", "messages"}
     first = user.requests[0]["messages"][0]["content"]
     assert first == sage.analysis_prompt(zh_profile(), 40, [
         {"role": "user", "content": rows[0]["first_talk"]}, {"role": "assistant", "content": "我在呢，慢慢说。"}])
