@@ -418,6 +418,8 @@ class LocalChat:
         prompt_tokens = inputs["input_ids"].shape[1]
         call = common.CallStats(calls=1, attempts=1, prompt_tokens=prompt_tokens,
                                 completion_tokens=output.shape[1] - prompt_tokens)
+        call.failed = int(call.completion_tokens == self.max_new_tokens  # cut before it ended
+                          and output[0, -1].item() != self.tokenizer.eos_token_id)
         return self.tokenizer.decode(output[0, prompt_tokens:], skip_special_tokens=True), call
 
     async def check(self) -> None:
@@ -426,6 +428,9 @@ class LocalChat:
     async def complete(self, messages: list[dict], stats: common.CallStats | None = None) -> str:
         text, call = await asyncio.to_thread(self._generate, messages)
         call.add_to(self.totals, stats)
+        if call.failed:  # never a message (as ChatClient's whole_answers)
+            raise SimulatorError(f"the local simulator's answer was cut at --simulator_max_tokens "
+                                 f"{self.max_new_tokens}; raise it")
         return text
 
 
@@ -677,7 +682,8 @@ def make_chat(args: SimulatorArguments):
                                  timeout=args.simulator_timeout, max_retries=args.simulator_max_retries,
                                  whole_answers=True)
     if args.backend == "local":
-        return LocalChat(args.simulator_model)
+        temperature = 0.7 if args.simulator_temperature is None else args.simulator_temperature
+        return LocalChat(args.simulator_model, temperature, args.simulator_max_tokens or 256)
     raise ValueError(f"backend must be one of {BACKENDS}, got {args.backend!r}")
 
 

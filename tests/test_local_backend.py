@@ -23,14 +23,21 @@ def test_packaged_model_converts_to_the_same_weights(packaged_model):
     assert getattr(converted.config, "quantization_config", None) is None  # trainable, not marked GGUF
 
 
-def test_local_chat_answers_through_the_chat_template(tiny_model_dir):
+def test_local_chat_answers_through_the_chat_template_and_fails_an_answer_cut_at_its_limit(tiny_model_dir):
+    """The random model never ends a turn: cut at 6 tokens, its answer is a failed call, never a message; an
+    answer whose 6th token ends it is whole."""
     chat = LocalChat(str(tiny_model_dir), temperature=0, max_new_tokens=6)
-    answer = asyncio.run(chat.complete([{"role": "system", "content": "Be brief."},
-                                        {"role": "user", "content": "Hello?"}]))
-    assert isinstance(answer, str) and answer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]
+    with pytest.raises(SimulatorError, match="cut at --simulator_max_tokens 6; raise it"):
+        asyncio.run(chat.complete(messages))
+    assert chat.totals.failed == 1
+    generate, end = chat.model.generate, torch.tensor([[chat.tokenizer.eos_token_id]])
+    chat.model.generate = lambda **kwargs: torch.cat([generate(**kwargs)[:, :-1], end], dim=1)
+    answer = asyncio.run(chat.complete(messages))
+    assert isinstance(answer, str) and answer and chat.totals.failed == 1
 
 
-def test_an_untrained_local_model_fails_the_format_cleanly(tiny_model_dir, make_profile):
+def test_an_untrained_local_model_fails_its_dialogue_cleanly(tiny_model_dir, make_profile):
     chat = LocalChat(str(tiny_model_dir), temperature=0, max_new_tokens=6)
 
     async def go():
@@ -38,7 +45,7 @@ def test_an_untrained_local_model_fails_the_format_cleanly(tiny_model_dir, make_
         await sim.open()
         await sim.respond("It sounds like Dana hurt you.")
 
-    with pytest.raises(SimulatorError, match="did not follow the format after 2 attempts"):
+    with pytest.raises(SimulatorError, match="cut at --simulator_max_tokens 6"):  # it never ends a turn
         asyncio.run(go())
 
 
@@ -67,7 +74,8 @@ def test_the_local_simulator_samples_at_its_temperature_and_is_greedy_at_0(tiny_
     chat = LocalChat(str(tiny_model_dir), temperature=temperature, max_new_tokens=5)
     given, generate = [], chat.model.generate
     chat.model.generate = lambda **kwargs: given.append(kwargs) or generate(**kwargs)
-    asyncio.run(chat.complete([{"role": "user", "content": "Hello?"}]))
+    with pytest.raises(SimulatorError, match="cut at"):  # the random model never ends its turn in 5 tokens
+        asyncio.run(chat.complete([{"role": "user", "content": "Hello?"}]))
     [kwargs] = given
     assert {key: kwargs[key] for key in ("do_sample", "temperature", "max_new_tokens") if key in kwargs} == {
         **sampling, "max_new_tokens": 5}
