@@ -390,7 +390,7 @@ def quoted_dialogue(history: list[dict]) -> str:
 class LocalChat:
     """The same chat interface, served by a transformers model in this process (offline LLM path)."""
 
-    def __init__(self, model_name_or_path: str, temperature: float = 0.7, max_new_tokens: int = 256):
+    def __init__(self, model_name_or_path: str, temperature: float = 0.7, max_new_tokens: int = 512):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = common.resolve_model(model_name_or_path, "simulator_model")
@@ -683,7 +683,7 @@ def make_chat(args: SimulatorArguments):
                                  whole_answers=True)
     if args.backend == "local":
         temperature = 0.7 if args.simulator_temperature is None else args.simulator_temperature
-        return LocalChat(args.simulator_model, temperature, args.simulator_max_tokens or 256)
+        return LocalChat(args.simulator_model, temperature, args.simulator_max_tokens or 512)
     raise ValueError(f"backend must be one of {BACKENDS}, got {args.backend!r}")
 
 
