@@ -471,7 +471,18 @@ def test_the_throughput_benchmark_runs_and_reports_its_ratios():
                                "--reply_tokens", "4"], capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert "efficiency (c)/(a):" in finished.stdout and "speed-up (b)/(a):" in finished.stdout
+    assert "| (d) async ideal: " in finished.stdout and "what leaving lockstep could gain at most, (a)/(d):" in \
+        finished.stdout
     assert "3 dialogues x 2 turns" in finished.stdout and "12 calls a run" in finished.stdout  # 3 x 2 x (analysis + reply)
+
+
+def test_the_async_ideal_is_the_longest_dialogue_s_own_chain_or_all_policy_time(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import rollout_bench
+
+    # 4 policy calls of 0.5 s: dialogue 0 waits 1 + 2 + 2 x 0.5 = 4 s, dialogue 1 waits 3 + 0.5 = 3.5 s.
+    assert rollout_bench.async_ideal([[1.0, 2.0], [3.0]], 2.0, 4) == 4.0
+    assert rollout_bench.async_ideal([[1.0, 2.0], [3.0]], 10.0, 4) == 10.0  # the policy's compute is longer
 
 
 def test_every_end_token_of_the_models_generation_config_ends_a_turn(tiny_model_dir, tmp_path):
