@@ -372,6 +372,15 @@ def start_script(on_terminate: str) -> None:
     signal.signal(signal.SIGTERM, terminate)
 
 
+def lost_process(error: BaseException) -> bool:
+    """Whether `error` is a collective of several processes failing inside torch.distributed: another process
+    of the run died (gloo says "Connection reset by peer" at once; NCCL times out), and this one can only stop."""
+    import traceback
+
+    return (isinstance(error, RuntimeError) and int(os.environ.get("WORLD_SIZE", "1")) > 1
+            and any("torch/distributed/" in frame.filename for frame in traceback.extract_tb(error.__traceback__)))
+
+
 def exit_interrupted(message: str):
     """Ctrl-C outside a training step: one line saying what was kept and how to go on, exit status 130. A
     Ctrl-C while it is said quits at once (the default action: no traceback)."""

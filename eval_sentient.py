@@ -111,9 +111,9 @@ def read_results(path, skip_cut_last_line: bool = False) -> list[dict]:
 
 def result_rows(path, skip_cut_last_line: bool = False):
     """Each row, checked: it needs an `id`, an `emo_point` within 0-100 (the last user message's `emotion-point`,
-    where it has one) and a `history` list. Our own output,
-    read to resume or summarise it, may end in a line cut short by a killed run: `skip_cut_last_line`
-    leaves that line out (with a warning), and its scenario is played again."""
+    where it has one) and a `history` list. Our own output, read to resume or summarise it, may end in a line
+    cut short by a killed run: `skip_cut_last_line` leaves that line out (with a warning), and its scenario is
+    played again."""
     seen = set()
     for _, where, row in common.json_lines(path, "result file", ResultFileError, skip_cut_last_line):
         if not isinstance(row, dict):

@@ -56,6 +56,9 @@ PAPER_MAX_TURNS = 8
 # the first, so it scores 9 replies; the 10th reply it asks for is never judged, so we do not ask.
 BENCHMARK_MAX_TURNS = 9
 CHANGE_BOUND = 10  # |change| per turn; the benchmark's bound, also used in training (see docstring)
+# Our prompts' request settings (SimulatorArguments: the released prompts' calls send none), and the local
+# backend's in every mode (it has no server whose defaults could apply).
+SIMULATOR_TEMPERATURE, SIMULATOR_MAX_TOKENS = 0.7, 512
 MAX_EMOTION = 100
 # State labels by lower threshold, highest first: S thanks and leaves, F leaves.
 EMOTION_STATES = (("S", 100), ("A", 70), ("B", 40), ("C", 10), ("F", 0))
@@ -390,7 +393,8 @@ def quoted_dialogue(history: list[dict]) -> str:
 class LocalChat:
     """The same chat interface, served by a transformers model in this process (offline LLM path)."""
 
-    def __init__(self, model_name_or_path: str, temperature: float = 0.7, max_new_tokens: int = 512):
+    def __init__(self, model_name_or_path: str, temperature: float = SIMULATOR_TEMPERATURE,
+                 max_new_tokens: int = SIMULATOR_MAX_TOKENS):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = common.resolve_model(model_name_or_path, "simulator_model")
@@ -614,9 +618,10 @@ class SimulatorArguments:
                                        "is the released loops' way (--simulator_prompts sage or rlver)")
         if self.empty_user_message is None:
             self.empty_user_message = "ask_again" if self.simulator_prompts == "ours" else "keep"
-        if self.simulator_prompts == "ours":  # ours are written for these; the released calls send neither
-            self.simulator_temperature = 0.7 if self.simulator_temperature is None else self.simulator_temperature
-            self.simulator_max_tokens = self.simulator_max_tokens or 512
+        if self.simulator_prompts == "ours" or self.backend == "local":  # the released calls send neither
+            self.simulator_temperature = (SIMULATOR_TEMPERATURE if self.simulator_temperature is None
+                                          else self.simulator_temperature)
+            self.simulator_max_tokens = self.simulator_max_tokens or SIMULATOR_MAX_TOKENS
         if self.simulator_prompts != "ours" and self.variant != "vanilla":
             raise common.ArgumentError(f"--variant {self.variant}: the {self.simulator_prompts} prompts have one "
                                        "variant; variants are ours (--simulator_prompts ours)")
@@ -682,8 +687,7 @@ def make_chat(args: SimulatorArguments):
                                  timeout=args.simulator_timeout, max_retries=args.simulator_max_retries,
                                  whole_answers=True)
     if args.backend == "local":
-        temperature = 0.7 if args.simulator_temperature is None else args.simulator_temperature
-        return LocalChat(args.simulator_model, temperature, args.simulator_max_tokens or 512)
+        return LocalChat(args.simulator_model, args.simulator_temperature, args.simulator_max_tokens)
     raise ValueError(f"backend must be one of {BACKENDS}, got {args.backend!r}")
 
 

@@ -144,12 +144,10 @@ def remove_during_step_1(monkeypatch, folder: Path) -> None:
     monkeypatch.setattr(rollout.DialogueRunner, "run", play_then_remove)
 
 
-def ctrl_c_on_rank_1(script: str, run: Path, *flags: str) -> tuple[str, int]:
+def signal_rank_1(script: str, run: Path, sent: int, *flags: str) -> tuple[str, int]:
     """Train `script` on 2 gloo ranks (torch.distributed.run, as accelerate launch starts them) into `run`, send
-    SIGINT to rank 1 alone once it has written a step's rows (as on a node where Ctrl-C was pressed while the
-    other trains on), and return (the launch's output, the last step both ranks wrote, checked to be the same
-    steps on both). A rank stopping alone would leave the other waiting forever at a collective: that fails
-    here, after 120 s."""
+    `sent` to rank 1 alone once it has written a step's rows, and return (the launch's output, its exit status).
+    A rank left waiting forever at a collective fails here, after 120 s."""
     import time
 
     import psutil
@@ -168,7 +166,7 @@ def ctrl_c_on_rank_1(script: str, run: Path, *flags: str) -> tuple[str, int]:
         workers = [child for child in psutil.Process(launcher.pid).children(recursive=True)
                    if "RANK" in child.environ()]
         [rank_1] = [worker for worker in workers if worker.environ()["RANK"] == "1"]
-        rank_1.send_signal(signal.SIGINT)
+        rank_1.send_signal(sent)
         said, _ = launcher.communicate(timeout=120)
     finally:
         for worker in workers:
@@ -176,6 +174,13 @@ def ctrl_c_on_rank_1(script: str, run: Path, *flags: str) -> tuple[str, int]:
                 worker.kill()
         if launcher.poll() is None:
             launcher.kill()
+    return said, launcher.returncode
+
+
+def ctrl_c_on_rank_1(script: str, run: Path, *flags: str) -> tuple[str, int]:
+    """Ctrl-C on rank 1 alone (signal_rank_1), as on a node where it was pressed while the other trains on:
+    (the launch's output, the last step both ranks wrote, checked to be the same steps on both)."""
+    said, _ = signal_rank_1(script, run, signal.SIGINT, *flags)
     steps = [[json.loads(line)["step"] for line in (run / f"transcripts.rank{rank}.jsonl").read_text().splitlines()]
              for rank in (0, 1)]
     last = steps[0][-1]

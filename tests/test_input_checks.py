@@ -381,3 +381,15 @@ def test_a_printed_command_names_the_script_as_it_runs_from_the_current_folder(t
     monkeypatch.chdir(tmp_path)  # a run started elsewhere: `python report.py` would not be found there
     shown = common.script_command("report.py").removeprefix("python ")
     assert (tmp_path / shown).resolve() == common.REPO_DIR / "report.py"
+
+
+def test_only_a_failed_collective_of_several_processes_counts_as_a_lost_process(monkeypatch):
+    """Any other RuntimeError keeps its traceback: the trainers catch only what a dead peer causes."""
+    def failing():
+        raise RuntimeError("shape mismatch")
+
+    for world_size in ("1", "2"):
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+        with pytest.raises(RuntimeError) as raised:
+            failing()
+        assert common.lost_process(raised.value) is False

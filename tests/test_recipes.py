@@ -258,4 +258,8 @@ def test_a_recipes_commented_official_prompts_block_turns_rlvers_prompts_on(reci
     written, tried = parse(recipe), parse(uncommented)
     assert (written.simulator_prompts, written.policy_prompts) == ("ours", "ours")
     assert (tried.simulator_prompts, tried.policy_prompts) == ("rlver", "rlver")
+    # What each simulator request sends: ours, 0.7 and 512 tokens; RLVER's, nothing its call_api does not.
+    assert (written.simulator_temperature, written.simulator_max_tokens) == (0.7, 512)
+    assert (tried.simulator_temperature, tried.simulator_max_tokens) == (None, None)
+    assert (tried.empty_user_message, tried.analysis_emotion) == ("keep", "current")
     assert tried.official("simulator_prompts").source == "rlver"

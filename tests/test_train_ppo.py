@@ -712,3 +712,23 @@ def test_a_run_folder_removed_while_training_stops_the_run_instead_of_making_a_n
                         "--max_turns", "1", "--max_reply_tokens", "4", "--dialogues_per_profile", "2",
                         "--minibatch_size", "2"])
     assert not run.exists()
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_ends_the_other_in_one_line_instead_of_a_hang(tiny_model_dir, tmp_path):
+    """Rank 1 killed mid-run (out of memory, a lost node): rank 0 must end at once in one line, not wait at a
+    collective nor save half a checkpoint: its collective fails (gloo: at once; common.lost_process), or the
+    launcher's SIGTERM ends it first (common.start_script), whichever comes first."""
+    import signal
+
+    from conftest import signal_rank_1
+
+    run = tmp_path / "run"
+    said, status = signal_rank_1("train_ppo.py", run, signal.SIGKILL, "--model_name_or_path", str(tiny_model_dir),
+                                 "--max_turns", "1", "--max_reply_tokens", "4", "--profiles_per_step", "1",
+                                 "--dialogues_per_profile", "2", "--minibatch_size", "2")
+    rank_0 = [line for line in said.splitlines() if "[rank0]" in line]  # torch's prefix on a worker's output
+    assert status != 0 and "Traceback" not in "\n".join(rank_0), said[-3000:]
+    assert ("stopped by SIGTERM: nothing new saved; the checkpoints in --output_dir are whole (continue from the "
+            "newest with --resume)" in said or "error: a collective with the run's other processes failed" in said)
+    assert not list(run.glob("checkpoint-*"))
