@@ -381,6 +381,14 @@ def lost_process(error: BaseException) -> bool:
             and any("torch/distributed/" in frame.filename for frame in traceback.extract_tb(error.__traceback__)))
 
 
+def exit_if_lost_process(error: BaseException, resume_flag: str) -> None:
+    """A trainer's one line for a lost process (lost_process); any other error is the caller's to raise."""
+    if lost_process(error):
+        raise SystemExit(f"error: a collective with the run's other processes failed, so one of them stopped (its "
+                         f"own lines say why): {str(error).splitlines()[0][:200]}; the checkpoints in --output_dir "
+                         f"are whole (continue from the newest with {resume_flag})") from None
+
+
 def exit_interrupted(message: str):
     """Ctrl-C outside a training step: one line saying what was kept and how to go on, exit status 130. A
     Ctrl-C while it is said quits at once (the default action: no traceback)."""

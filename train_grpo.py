@@ -556,11 +556,8 @@ if __name__ == "__main__":
         raise SystemExit(f"error: {error} (the checkpoints saved before it are whole: fix it, then continue from "
                          "the newest with --resume_from_checkpoint true)") from None
     except RuntimeError as error:
-        if not common.lost_process(error):
-            raise
-        raise SystemExit(f"error: a collective with the run's other processes failed, so one of them stopped (its "
-                         f"own lines say why): {str(error).splitlines()[0][:200]}; the checkpoints in --output_dir "
-                         "are whole (continue from the newest with --resume_from_checkpoint true)") from None
+        common.exit_if_lost_process(error, "--resume_from_checkpoint true")
+        raise
     except KeyboardInterrupt:  # during a step, StopOnCtrlC saves first; this is set-up or the final save
         common.exit_interrupted("outside a training step: nothing new saved; the checkpoints in --output_dir are "
                                 "whole (continue from the newest with --resume_from_checkpoint true)")

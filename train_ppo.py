@@ -974,11 +974,8 @@ if __name__ == "__main__":
         raise SystemExit(f"error: {error} (the checkpoints saved before it are whole: fix it, then continue with "
                          "--resume)") from None
     except RuntimeError as error:
-        if not common.lost_process(error):
-            raise
-        raise SystemExit(f"error: a collective with the run's other processes failed, so one of them stopped (its "
-                         f"own lines say why): {str(error).splitlines()[0][:200]}; the checkpoints in --output_dir "
-                         "are whole (continue from the newest with --resume)") from None
+        common.exit_if_lost_process(error, "--resume")
+        raise
     except KeyboardInterrupt:  # during a step, common.StopRequest saves first; this is set-up or the final save
         common.exit_interrupted("outside a training step: nothing new saved; the checkpoints in --output_dir are "
                                 "whole (continue from the newest with --resume)")

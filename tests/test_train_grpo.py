@@ -350,3 +350,19 @@ def test_ctrl_c_reaching_one_rank_stops_both_after_the_same_step_with_one_whole_
     assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == last + 1
     assert json.loads((run / "rlver-run.json").read_text())["interrupted"] == [
         {"after_step": last, "checkpoint": str(checkpoint)}]
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_ends_the_other_in_one_line_instead_of_a_hang(tiny_model_dir, tmp_path):
+    """As in test_train_ppo.py: rank 1 killed mid-run; rank 0 ends at once in one line, no traceback."""
+    import signal
+
+    from conftest import signal_rank_1
+
+    said, status = signal_rank_1("train_grpo.py", tmp_path / "run", signal.SIGKILL, "--model_name_or_path",
+                                 str(tiny_model_dir), "--max_turns", "1", "--max_reply_tokens", "4",
+                                 "--num_generations", "2", "--per_device_train_batch_size", "2", "--use_cpu", "true")
+    rank_0 = [line for line in said.splitlines() if "[rank0]" in line]  # torch's prefix on a worker's output
+    assert status != 0 and "Traceback" not in "\n".join(rank_0), said[-3000:]
+    assert ("stopped by SIGTERM: nothing new saved" in said
+            or "error: a collective with the run's other processes failed" in said), said[-3000:]
