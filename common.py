@@ -373,12 +373,17 @@ def start_script(on_terminate: str) -> None:
 
 
 def lost_process(error: BaseException) -> bool:
-    """Whether `error` is a collective of several processes failing inside torch.distributed: another process
+    """Whether `error` is a collective of several processes failing (torch.distributed, DDP, DeepSpeed): another process
     of the run died (gloo says "Connection reset by peer" at once; NCCL times out), and this one can only stop."""
     import traceback
 
+    # Raised in Python collectives (torch.distributed, DDP's buffers, DeepSpeed) or, from DDP's gradient hooks,
+    # in the autograd engine, where only the message (the backend's own) tells.
+    collectives = ("torch/distributed/", "torch/nn/parallel/distributed.py", "deepspeed/comm/")
     return (isinstance(error, RuntimeError) and int(os.environ.get("WORLD_SIZE", "1")) > 1
-            and any("torch/distributed/" in frame.filename for frame in traceback.extract_tb(error.__traceback__)))
+            and (any(place in frame.filename for frame in traceback.extract_tb(error.__traceback__)
+                     for place in collectives)
+                 or any(backend in str(error) for backend in ("gloo/transport", "NCCL", "ProcessGroup"))))
 
 
 def exit_if_lost_process(error: BaseException, resume_flag: str) -> None:
