@@ -13,6 +13,8 @@ rehearsed on CPU against a fake vLLM (tests/fake_vllm), not yet run on a GPU.
 """
 import collections
 import copy
+import hashlib
+import json
 from contextlib import contextmanager
 
 import torch
@@ -117,6 +119,8 @@ class TransformersGenerator:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.prefix_cache = PrefixCache() if prefix_cache else None
         self.in_lockstep = generates_in_lockstep(model)
+        self.lockstep_reason = ("DeepSpeed ZeRO-3 or FSDP on several processes generates in step across them "
+                                "(transformers' synced_gpus)") if self.in_lockstep else None
 
     @torch.no_grad()
     def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
@@ -258,11 +262,15 @@ class VLLMGenerator:
     def __init__(self, trainer):
         self.generation = trainer.vllm_generation
         self.dummy_prompt = [self.generation.processing_class.eos_token_id]
+        self.lockstep_reason = vllm_lockstep_reason(self.generation)
 
     def __call__(self, contexts: list[list[int]], max_new_tokens: list[int], stop: str | None = None):
         from accelerate.utils import gather_object
 
-        counts = gather_object([collections.Counter(max_new_tokens)])  # per rank: contexts per budget
+        if self.lockstep_reason is None:  # colocate, tensor parallelism 1: nothing to agree on with the others
+            counts = [collections.Counter(max_new_tokens)]
+        else:
+            counts = gather_object([collections.Counter(max_new_tokens)])  # per rank: contexts per budget
         sampled, sampled_logprobs = [None] * len(contexts), [None] * len(contexts)
         for budget in sorted(set().union(*counts)):
             rows = [row for row, limit in enumerate(max_new_tokens) if limit == budget]
@@ -290,6 +298,67 @@ class VLLMGenerator:
                 for ids, token_logprobs in zip(completion_ids[:len(contexts)], logprobs[:len(contexts)])]
 
 
+def vllm_lockstep_reason(vllm_generation) -> str | None:
+    """Why TRL's vLLM generate must be called by every rank in step (a collective), or None when it need not:
+    colocate mode with tensor parallelism 1 and no sleep mode (--rollout async batches its calls then)."""
+    if vllm_generation.mode == "server":
+        return "TRL's server-mode generate gathers every rank's prompts (async sends requests of its own instead)"
+    if vllm_generation.tensor_parallel_size > 1:
+        return f"vLLM's tensor parallelism {vllm_generation.tensor_parallel_size} makes generate a collective"
+    if vllm_generation.enable_sleep_mode:
+        return "vLLM's sleep mode pushes the weights again at every generate call"
+    return None
+
+
+class VLLMServerTurns:
+    """Each dialogue's turn as a request of its own to a vLLM server's /v1/completions (`trl vllm-serve` runs
+    stock `vllm serve`), for --rollout async: every rank sends its dialogues' turns as they become ready,
+    and the server batches the requests of all ranks continuously. A request is TRL's VLLMClient.generate
+    payload for one token-id prompt: the turn's own budget, its stop string, the trainer's sampling
+    settings, and a seed of its own, drawn from (`seed`, rank, dialogue, turn, phase) so that it does not
+    depend on the order the requests are sent in. Transient failures are retried (the OpenAI client's
+    retries, `max_retries`)."""
+
+    def __init__(self, base_url: str, sampling: dict, seed: int, rank: int, max_retries: int = 3):
+        import openai
+
+        self.client = openai.AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key="EMPTY",
+                                         max_retries=max_retries, timeout=600)
+        self.sampling, self.seed, self.rank, self.model = sampling, seed, rank, None
+
+    @classmethod
+    def of_trainer(cls, trainer):
+        """For a TRL trainer with `vllm_mode="server"`: its server and sampling settings, the step's seed."""
+        generation, args = trainer.vllm_generation, trainer.args
+        base_url = generation.server_base_url or f"http://{generation.server_host}:{generation.server_port}"
+        sampling = {"temperature": generation.temperature, "top_p": generation.top_p, "top_k": generation.top_k,
+                    "min_p": generation.min_p or 0.0, "repetition_penalty": generation.repetition_penalty,
+                    **(generation.generation_kwargs or {})}
+        return cls(base_url, sampling, seed=args.seed * 1_000_003 + trainer.state.global_step,
+                   rank=trainer.accelerator.process_index)
+
+    def request_seed(self, key: tuple) -> int:
+        text = json.dumps([self.seed, self.rank, *key])
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") >> 1  # vLLM takes a 32-bit seed
+
+    async def sample(self, context: list[int], budget: int, stop: str | None, key: tuple):
+        """(sampled ids, their logprobs) of one turn's phase; `key` is (dialogue id, turn, phase)."""
+        if self.model is None:
+            self.model = (await self.client.models.list()).data[0].id
+        extra = {key: value for key, value in self.sampling.items() if key not in ("temperature", "top_p")}
+        completion = await self.client.completions.create(
+            model=self.model, prompt=context, max_tokens=budget, temperature=self.sampling["temperature"],
+            top_p=self.sampling["top_p"], seed=self.request_seed(key), logprobs=0, stop=[stop] if stop else None,
+            extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True,
+                        "include_stop_str_in_output": True, **extra})
+        choice = completion.choices[0]
+        ids = list(choice.model_extra["token_ids"])[:budget]
+        return ids, list(choice.logprobs.token_logprobs)[:len(ids)]
+
+    async def aclose(self) -> None:
+        await self.client.close()
+
+
 class VLLMServerGenerator:
     """Sampling from TRL's generation server (`trl vllm-serve`) outside a TRL trainer, as in
     train_ppo.py; `push_weights` sends the policy's current weights before each rollout.
@@ -300,7 +369,12 @@ class VLLMServerGenerator:
 
         self.client = VLLMClient(host=host, server_port=port, connection_timeout=240)
         self.client.init_communicator()
-        self.temperature = temperature
+        self.host, self.port, self.temperature = host, port, temperature
+
+    def turns(self, seed: int, rank: int) -> VLLMServerTurns:
+        """The same server and temperature, a request for each turn (--rollout async)."""
+        sampling = {"temperature": self.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        return VLLMServerTurns(f"http://{self.host}:{self.port}", sampling, seed, rank)
 
     @torch.no_grad()
     def push_weights(self, model) -> None:
@@ -425,10 +499,17 @@ def load_generator(args, folder: str, tokenizer):
 
 
 @contextmanager
-def trainer_generator(trainer, prefix_cache: bool = True):
-    """The generator to use inside a TRL trainer: vLLM if enabled, else the unwrapped model."""
+def trainer_generator(trainer, prefix_cache: bool = True, rollout: str = "async"):
+    """The generator to use inside a TRL trainer: vLLM if enabled (with --rollout async in server mode, a
+    request for each turn), else the unwrapped model."""
     if getattr(trainer.args, "use_vllm", False):
-        yield VLLMGenerator(trainer)
+        if rollout == "async" and trainer.vllm_generation.mode == "server":
+            # Rank 0 pushes the weights before the rollout; TRL's own generate waits for it in its gather, and
+            # requests of our own must wait too, or they would sample from half-updated weights.
+            trainer.accelerator.wait_for_everyone()
+            yield VLLMServerTurns.of_trainer(trainer)
+        else:
+            yield VLLMGenerator(trainer)
         return
     from trl.models.utils import unwrap_model_for_generation
 

@@ -1,9 +1,19 @@
 """Multi-turn dialogues between the policy and simulated users, at token level.
 
-All dialogues of a batch advance in lockstep: each turn, one batched generate call for every
-active dialogue, then all their simulators answer concurrently (at most `simulator_concurrency`
-at once). Each dialogue owns its simulator (`Dialogue.simulator`); nothing is ever looked up by
-position in a list of active dialogues, so a dialogue that ends early cannot mix up the others.
+Two schedules (`--rollout`), which play the same dialogues when the policy decodes greedily or with
+per-request seeds (tests/test_rollout_async.py):
+- async (the default): each dialogue is its own task, and asks for its next policy turn as soon as its
+  own simulated user has answered. Its turns are sampled by `TurnBatcher` (one batched generate call for
+  whichever dialogues are waiting: transformers, in-process vLLM) or sent as requests of their own to a
+  vLLM server (`generation.VLLMServerTurns`). A step costs about its longest dialogue, not the sum over
+  turns of each turn's slowest simulator (benchmarks/rollout_bench.py).
+- lockstep (the paper's): each turn, one batched generate call for every active dialogue, then all
+  their simulators answer. It is what a generator whose calls are collectives needs (every rank the
+  same calls: DeepSpeed ZeRO-3 or FSDP across processes, TRL's vLLM in server mode or with tensor
+  parallelism), and async falls back to it there, saying so.
+Either way at most `simulator_concurrency` simulators answer at once. Each dialogue owns its simulator
+(`Dialogue.simulator`); nothing is ever looked up by position in a list of active dialogues, so a
+dialogue that ends early cannot mix up the others.
 
 Token layout of one dialogue, as TRL's `rollout_func` expects it:
 
@@ -45,12 +55,14 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import common
 import generation
 import simulator
 
 MIN_REPLY_TOKENS = 8  # a dialogue that cannot leave this many tokens for the next reply ends
+PHASE_STOP = {"think": generation.THINK_CLOSE, "reply": None}  # a think phase samples up to </think>
 END_REASONS = ("farewell", "gave_up", "goodbye", "turn_limit", "token_budget", "simulator_failed")
 
 
@@ -77,6 +89,12 @@ class DialogueArguments:
         "help": "the policy's system prompt: prompts/<language>/<name>[_think].txt"})
     prefix_cache: bool = field(default=True, metadata={
         "help": "transformers generation: reuse the previous turn's key-value cache (same samples, faster)"})
+    rollout: Literal["async", "lockstep"] = field(default="async", metadata={
+        "help": "async: each dialogue asks for its next turn as soon as its user answered; lockstep: each turn "
+                "waits for every dialogue's user (the paper's; what collective generators need)"})
+    batch_wait: float = field(default=0.05, metadata={
+        "help": "async with a batched generator: seconds the first waiting dialogue waits for others to join "
+                "its generate call, unless every unfinished dialogue is already waiting"})
     # A vLLM server batches hundreds of requests at once: the cap is for rate-limited commercial APIs.
     simulator_concurrency: int = field(default=64, metadata={
         "help": "dialogues whose simulated user answers at once (its analysis call, then its reply call)"})
@@ -91,7 +109,7 @@ class DialogueArguments:
                                  f"within 0-{simulator.MAX_EMOTION}"),
             max_turns=common.TURNS, max_think_tokens=common.AT_LEAST_ONE, max_reply_tokens=common.AT_LEAST_ONE,
             max_dialogue_tokens=common.AT_LEAST_ONE, format_penalty=common.NOT_NEGATIVE,
-            simulator_concurrency=common.AT_LEAST_ONE, max_failed_share=common.FRACTION)
+            batch_wait=common.NOT_NEGATIVE, simulator_concurrency=common.AT_LEAST_ONE, max_failed_share=common.FRACTION)
         file_name = f"{self.policy_prompt}_think.txt" if self.think else f"{self.policy_prompt}.txt"
         if not list(common.PROMPTS_DIR.glob(f"*/{file_name}")) or "/" in self.policy_prompt:
             suffix = "_think.txt" if self.think else ".txt"
@@ -247,6 +265,7 @@ class DialogueRunner:
             len(self.segments.think_open) + len(self.segments.think_close) + 1 if args.think else 0)
         self.loop = asyncio.new_event_loop()
         self._next_id = 0
+        self._told_lockstep = False
 
     def close(self) -> None:
         self.loop.close()
@@ -286,61 +305,101 @@ class DialogueRunner:
         return prompt_ids
 
     async def _run(self, starts, generate) -> list[Dialogue]:
-        c = self.args
         dialogues = []
         for profile, opening in starts:
             sim = self.new_simulator(profile)
             await sim.open(opening)
             dialogues.append(Dialogue(self._next_id, profile, sim, self.prompt_ids(profile, opening)))
             self._next_id += 1
-        gate = asyncio.Semaphore(c.simulator_concurrency)
+        gate = asyncio.Semaphore(self.args.simulator_concurrency)
+        lockstep_reason = getattr(generate, "lockstep_reason", None)
+        if self.args.rollout == "lockstep" or lockstep_reason:
+            if self.args.rollout == "async" and not self._told_lockstep:
+                print(f"--rollout async: lockstep instead, as {lockstep_reason}", flush=True)
+                self._told_lockstep = True
+            await self._lockstep(dialogues, generate, gate)
+        elif hasattr(generate, "sample"):  # a server: each turn its own request
+            try:
+                await run_all([self._play(d, generate.sample, gate) for d in dialogues])
+            finally:
+                await generate.aclose()
+        else:
+            batcher = TurnBatcher(generate, len(dialogues), self.args.batch_wait)
+            await run_all([batcher.serve()] + [self._play(d, batcher.sample, gate, batcher.finished)
+                                               for d in dialogues])
+        return dialogues
+
+    async def _lockstep(self, dialogues: list[Dialogue], generate, gate: asyncio.Semaphore) -> None:
+        c = self.args
         for _ in range(c.max_turns):  # a fixed number of generate calls: ranks stay in lockstep
             active = [d for d in dialogues if not d.done]
             for dialogue in active:
-                dialogue.sampled_turns.append([])
-                dialogue.thought_ids.append([])
-                dialogue.turn_starts.append(len(dialogue.completion_ids))
+                self._begin_turn(dialogue)
             if c.think:
                 thoughts_closed = self._sample(active, generate, phase="think")
             replies = self._sample(active, generate, phase="reply")
             for index, dialogue in enumerate(active):
                 self._read_turn(dialogue, thoughts_closed[index] if c.think else True, replies[index])
             await asyncio.gather(*(self._answer(d, gate) for d in active))
-        return dialogues
+
+    async def _play(self, dialogue: Dialogue, sample, gate: asyncio.Semaphore, finished=lambda: None) -> None:
+        """One dialogue on its own: each policy turn asked for as soon as its user has answered.
+        `sample(context, budget, stop, key)` is awaited for each phase's ids and logprobs."""
+        try:
+            for turn in range(self.args.max_turns):
+                if dialogue.done:
+                    return
+                self._begin_turn(dialogue)
+                thought_closed = True
+                for phase in ("think", "reply") if self.args.think else ("reply",):
+                    budget = self._open_phase(dialogue, phase)
+                    ids, logprobs = await sample(dialogue.context(), budget, PHASE_STOP[phase],
+                                                 (dialogue.dialogue_id, turn, phase))
+                    result = self._take(dialogue, phase, ids, logprobs)
+                    if phase == "think":
+                        thought_closed = result
+                self._read_turn(dialogue, thought_closed, result)
+                await self._answer(dialogue, gate)
+        finally:
+            finished()
+
+    @staticmethod
+    def _begin_turn(dialogue: Dialogue) -> None:
+        dialogue.sampled_turns.append([])
+        dialogue.thought_ids.append([])
+        dialogue.turn_starts.append(len(dialogue.completion_ids))
 
     def _sample(self, active: list[Dialogue], generate, phase: str) -> list:
-        """One batched generate call for every active dialogue. Think phase: insert <think>, sample
-        up to </think>, force-close if needed; returns whether each policy closed its thinking.
-        Reply phase: sample up to the end of turn; returns each reply's ids."""
+        """One batched generate call for every active dialogue (lockstep); `_take`'s result for each."""
+        budgets = [self._open_phase(dialogue, phase) for dialogue in active]
+        sampled, logprobs = generate([d.context() for d in active], budgets, stop=PHASE_STOP[phase])
+        return [self._take(dialogue, phase, ids, logprobs[index] if logprobs else None)
+                for index, (dialogue, ids) in enumerate(zip(active, sampled))]
+
+    def _open_phase(self, dialogue: Dialogue, phase: str) -> int:
+        """Start a phase of the dialogue's turn (a think phase inserts <think>); its token budget."""
         c, segments = self.args, self.segments
         if phase == "think":
-            for dialogue in active:
-                dialogue.append(segments.think_open, sampled=False)
-        budgets = []
-        for dialogue in active:
-            room = c.max_dialogue_tokens - len(dialogue.context())
-            if phase == "think":
-                budgets.append(min(c.max_think_tokens, room - len(segments.think_close) - MIN_REPLY_TOKENS))
-            else:
-                budgets.append(min(c.max_reply_tokens, room))
-        sampled, logprobs = generate([d.context() for d in active], budgets,
-                                     stop=generation.THINK_CLOSE if phase == "think" else None)
-        results = []
-        for index, (dialogue, ids) in enumerate(zip(active, sampled)):
-            token_logprobs = logprobs[index] if logprobs else None
-            if phase == "think":
-                ids, closed = self._cut_thought(ids)
-                token_logprobs = token_logprobs[:len(ids)] if token_logprobs else None
-            dialogue.append(ids, sampled=True, logprobs=token_logprobs)
-            dialogue.sampled_turns[-1] += ids
-            if phase == "think":
-                dialogue.thought_ids[-1] = ids
-                if not closed:
-                    dialogue.append(segments.think_close, sampled=False)  # budget forcing
-                results.append(closed)
-            else:
-                results.append(ids)
-        return results
+            dialogue.append(segments.think_open, sampled=False)
+        room = c.max_dialogue_tokens - len(dialogue.context())
+        if phase == "think":
+            return min(c.max_think_tokens, room - len(segments.think_close) - MIN_REPLY_TOKENS)
+        return min(c.max_reply_tokens, room)
+
+    def _take(self, dialogue: Dialogue, phase: str, ids: list[int], logprobs):
+        """Append a phase's sampled ids. Think phase: cut at </think>, force-close if needed; returns whether
+        the policy closed its thinking. Reply phase: returns the reply's ids."""
+        if phase == "think":
+            ids, closed = self._cut_thought(ids)
+            logprobs = logprobs[:len(ids)] if logprobs else None
+        dialogue.append(ids, sampled=True, logprobs=logprobs)
+        dialogue.sampled_turns[-1] += ids
+        if phase == "reply":
+            return ids
+        dialogue.thought_ids[-1] = ids
+        if not closed:
+            dialogue.append(self.segments.think_close, sampled=False)  # budget forcing
+        return closed
 
     def _cut_thought(self, ids: list[int]) -> tuple[list[int], bool]:
         """Keep sampled thinking up to and including the first </think>; drop an end-of-turn token
@@ -388,6 +447,75 @@ class DialogueRunner:
             dialogue.end_reason = "token_budget"  # the next user message and a reply would not fit
             return
         dialogue.append(inserted, sampled=False)
+
+
+async def run_all(coroutines) -> None:
+    """Run the coroutines as tasks until all are done; when one fails, cancel the others (none is left on the
+    runner's loop to wake up in its next run) and raise its error."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+class TurnBatcher:
+    """The policy's turns for dialogues played as tasks of their own (--rollout async), from a batched
+    `generate(contexts, budgets, stop)`: whichever dialogues are waiting share one call. A call is made
+    once every unfinished dialogue waits, or `wait` seconds after the first of them began waiting; it
+    serves the phase of the longest-waiting request (one stop string a call), rows in dialogue order, in
+    a worker thread, so the simulators' calls go on meanwhile. One call at a time: a generator serves one
+    batch (transformers' prefix cache, an in-process vLLM engine). When the simulated users answer at
+    once (the rule user), every call holds the same dialogues, in the same order, as lockstep's."""
+
+    def __init__(self, generate, dialogues: int, wait: float):
+        self.generate, self.wait = generate, wait
+        self.playing = dialogues  # dialogues not finished
+        self.waiting = []  # (dialogue id, context, budget, stop, future)
+        self.changed = asyncio.Event()
+
+    async def sample(self, context: list[int], budget: int, stop: str | None, key: tuple):
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((key[0], context, budget, stop, future))
+        self.changed.set()
+        return await future
+
+    def finished(self) -> None:
+        self.playing -= 1
+        self.changed.set()
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.playing:
+            if not self.waiting:
+                self.changed.clear()
+                await self.changed.wait()
+                continue
+            deadline = loop.time() + self.wait
+            while len(self.waiting) < self.playing and (left := deadline - loop.time()) > 0:
+                self.changed.clear()
+                try:
+                    await asyncio.wait_for(self.changed.wait(), left)
+                except TimeoutError:
+                    break
+            await self._call()
+
+    async def _call(self) -> None:
+        stop = self.waiting[0][3]
+        batch = sorted((request for request in self.waiting if request[3] == stop), key=lambda request: request[0])
+        self.waiting = [request for request in self.waiting if request[3] != stop]
+        try:
+            sampled, logprobs = await asyncio.to_thread(self.generate, [request[1] for request in batch],
+                                                        [request[2] for request in batch], stop=stop)
+        except Exception as error:
+            for *_, future in batch:
+                future.set_exception(error)
+            raise
+        for index, (*_, future) in enumerate(batch):
+            future.set_result((sampled[index], logprobs[index] if logprobs else None))
 
 
 class DialogueProgress:

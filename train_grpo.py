@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def rollout_func(prompts: list[str], trainer) -> dict:
         starts = [(profiles[profile_id], openings[profile_id]) for profile_id in prompts]
-        with generation.trainer_generator(trainer, dialogue_args.prefix_cache) as generate:
+        with generation.trainer_generator(trainer, dialogue_args.prefix_cache, dialogue_args.rollout) as generate:
             dialogues = runner.run(starts, generate)
         # Before writing: a resumed run plays the step again.
         rollout.check_failures(dialogues, dialogue_args.max_failed_share, trainer.accelerator)

@@ -683,7 +683,7 @@ def main(argv=None) -> None:
             chosen = step_profiles(profiles, args, step, accelerator)
             starts = [(profile, openings[profile.id]) for profile in chosen for _ in range(args.dialogues_per_profile)]
             model.eval()
-            generate = policy_generator(vllm_server, networks.policy, tokenizer, args, dialogue_args)
+            generate = policy_generator(vllm_server, networks.policy, tokenizer, args, dialogue_args, step)
             dialogues = runner.run(starts, generate)
             del generate  # it holds the last call's key and value cache (GBs in the recipe): not kept while training
             model.train()
@@ -862,11 +862,14 @@ def step_profiles(profiles: list, args: PPOArguments, step: int, accelerator) ->
     return shuffled[offset:offset + args.profiles_per_step]
 
 
-def policy_generator(vllm_server, policy, tokenizer, args: PPOArguments, dialogue_args):
-    """The rollout's `generate`: the vLLM server after the policy's current weights are pushed to it, or a
-    fresh transformers generator over the policy (a generator serves one set of weights)."""
+def policy_generator(vllm_server, policy, tokenizer, args: PPOArguments, dialogue_args, step: int):
+    """The rollout's `generate`: the vLLM server after the policy's current weights are pushed to it (with
+    --rollout async, a request for each turn, seeded by the step), or a fresh transformers generator over the
+    policy (a generator serves one set of weights)."""
     if vllm_server is not None:
         vllm_server.push_weights(policy)
+        if dialogue_args.rollout == "async":
+            return vllm_server.turns(seed=args.seed * 1_000_003 + step, rank=0)  # one process (check_arguments)
         return vllm_server
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sampling = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,

@@ -77,7 +77,7 @@ def test_the_ppo_rollout_ends_a_turn_at_every_end_token_of_the_generation_config
 
     tokenizer = AutoTokenizer.from_pretrained(two_end_tokens_dir)
     policy = emits_second_end_token(AutoModelForCausalLM.from_pretrained(two_end_tokens_dir))
-    generate = train_ppo.policy_generator(None, policy, tokenizer, train_ppo.PPOArguments(), rollout.DialogueArguments())
+    generate = train_ppo.policy_generator(None, policy, tokenizer, train_ppo.PPOArguments(), rollout.DialogueArguments(), 0)
     assert sorted(generate.generation_config.eos_token_id) == [SECOND_END, 2]
     assert first_turn(generate, tokenizer) == [SECOND_END]
 

@@ -134,8 +134,8 @@ def check_prefix_cache(parse, tokenizer, tmp_path):
     assert dialogue_args.prefix_cache is False
     model = AutoModelForCausalLM.from_pretrained(tokenizer.name_or_path)
     ppo_args = train_ppo.PPOArguments()
-    assert train_ppo.policy_generator(None, model, tokenizer, ppo_args, dialogue_args).prefix_cache is None
-    assert train_ppo.policy_generator(None, model, tokenizer, ppo_args, parse([])[0]).prefix_cache is not None
+    assert train_ppo.policy_generator(None, model, tokenizer, ppo_args, dialogue_args, 0).prefix_cache is None
+    assert train_ppo.policy_generator(None, model, tokenizer, ppo_args, parse([])[0], 0).prefix_cache is not None
 
 
 def check_simulator_concurrency(parse, tokenizer, tmp_path):
@@ -235,6 +235,51 @@ def check_simulator_timeout(parse, tokenizer, tmp_path):
 def check_simulator_temperature(parse, tokenizer, tmp_path):
     assert simulator.make_chat(parse(endpoint_flags(simulator_temperature=0.3))[1]).temperature == 0.3
     assert simulator.make_chat(parse(endpoint_flags())[1]).temperature == 0.7  # ours, by default
+
+
+def generate_threads(tokenizer, dialogue_args) -> set[bool]:
+    """Whether each generate call of a 2-dialogue rollout ran in the main thread (lockstep calls it there; async's
+    TurnBatcher calls it from a worker thread)."""
+    import threading
+
+    in_main = set()
+
+    def generate(contexts, max_new_tokens, stop=None):
+        in_main.add(threading.current_thread() is threading.main_thread())
+        reply = tokenizer("I hear you.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return [reply[:limit] for limit in max_new_tokens], None
+
+    runner = rollout.DialogueRunner(tokenizer, dialogue_args)
+    profile = simulator.load_profiles(dialogue_args.profiles)[0]
+    runner.run([(profile, runner.openings([profile])[profile.id])] * 2, generate)
+    runner.close()
+    return in_main
+
+
+def check_rollout(parse, tokenizer, tmp_path):
+    assert parse([])[0].rollout == "async"
+    assert generate_threads(tokenizer, parse([])[0]) == {False}
+    assert generate_threads(tokenizer, parse(["--rollout", "lockstep"])[0]) == {True}
+    with pytest.raises(SystemExit):
+        parse(["--rollout", "sometimes"])
+
+
+def check_batch_wait(parse, tokenizer, tmp_path):
+    waits = []
+    original = rollout.TurnBatcher.__init__
+
+    def record(self, generate, dialogues, wait):
+        waits.append(wait)
+        original(self, generate, dialogues, wait)
+
+    rollout.TurnBatcher.__init__ = record
+    try:
+        generate_threads(tokenizer, parse(["--batch_wait", "0.25"])[0])
+    finally:
+        rollout.TurnBatcher.__init__ = original
+    assert waits == [0.25]
+    with pytest.raises(SystemExit):
+        parse(["--batch_wait", "-1"])
 
 
 def check_simulator_max_tokens(parse, tokenizer, tmp_path):

@@ -562,7 +562,7 @@ def test_the_sampling_temperature_is_the_options(tmp_path):
 
     tokenizer = SimpleNamespace(eos_token_id=2, pad_token_id=None, name_or_path=str(tmp_path))
     generate = train_ppo.policy_generator(None, tiny_networks().policy, tokenizer,
-                                          train_ppo.PPOArguments(temperature=0.65), rollout.DialogueArguments())
+                                          train_ppo.PPOArguments(temperature=0.65), rollout.DialogueArguments(), 0)
     config = generate.generation_config
     assert (config.temperature, config.do_sample, config.top_k, config.top_p) == (0.65, True, 0, 1.0)
     assert config.pad_token_id == 2  # no pad token: the end token pads

@@ -4,7 +4,7 @@
 
 Only TRL's CUDA-only NCCL rendezvous (`VLLMClient.init_communicator`) is replaced; everything else is the real
 TRL, accelerate and transformers. With $FAKE_VLLM_LOG set, every call of the rollout's vLLM generators is logged
-as one JSON line: did each context get its own completion (the fake's first sampled token names the context),
+as one JSON line (each request of VLLMServerTurns too): did each context get its own completion (the fake's first sampled token names the context),
 cut at its budget or not, with as many logprobs as tokens?"""
 import os
 import runpy
@@ -53,7 +53,24 @@ def checked(cls):
     cls.__call__ = call
 
 
+def checked_turns(cls):
+    """The same verdict for each request of VLLMServerTurns (--rollout async in server mode)."""
+    original = cls.sample
+
+    async def sample(self, context, budget, stop, key):
+        ids, logprobs = await original(self, context, budget, stop, key)
+        verdict = ("EMPTY" if not ids else "NOT_OWN" if ids[0] != tag(context) else
+                   f"CUT_{len(ids)}/{budget}" if len(ids) < budget and ids[-1] != EOS
+                   and ids[-len(THINK_CLOSE):] != THINK_CLOSE else "own")
+        log("turn_request", dialogue=key[0], turn=key[1], phase=key[2], stop=stop, verdict=verdict,
+            seed=self.request_seed(key), logprobs_ok=len(logprobs) == len(ids))
+        return ids, logprobs
+
+    cls.sample = sample
+
+
 vllm_client.VLLMClient.init_communicator = init_communicator
+checked_turns(generation.VLLMServerTurns)
 for name in ("VLLMGenerator", "VLLMServerGenerator", "VLLMEngineGenerator"):
     checked(getattr(generation, name))
 

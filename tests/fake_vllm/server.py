@@ -13,9 +13,11 @@ and copied back whole, i.e. its other shards become uninitialized memory."""
 import argparse
 import json
 import os
+import random
 import re
 import sys
 import threading
+import time
 from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -52,6 +54,7 @@ class State:
         self.round = None
         self.stats = defaultdict(int)
         self.corrupt = set()
+        self.latency, self.delays = 0.0, random.Random(0)
 
     def log(self, event, **fields):
         with self.lock, open(self.log_path, "a") as out:
@@ -136,6 +139,11 @@ def make_handler(state: State):
             return self.reply(404, {"detail": "Not Found"})
 
         def completions(self, body):
+            if state.latency:
+                time.sleep(state.delays.uniform(0, state.latency))  # requests finish out of the order they came in
+            if state.round is not None:  # weights half pushed: what it would sample comes from no policy
+                state.log("completions_during_weight_update", n_prompts=len(body.get("prompt") or []))
+                return self.reply(500, {"error": "generation during a weight update"})
             prompt = body.get("prompt")
             if prompt is None or prompt == "":
                 return self.reply(400, {"error": "Either prompt or prompt_embeds must be provided and non-empty."})
@@ -148,7 +156,8 @@ def make_handler(state: State):
                 check_completion_request(prompts, max_tokens, state.max_model_len)
                 for p in prompts:
                     for _ in range(n):
-                        toks, lps, finish = sample(p, max_tokens, stop, state.max_model_len)
+                        toks, lps, finish = sample(p, max_tokens, stop, state.max_model_len, body.get("seed"),
+                                                 body.get("temperature", 1.0))
                         lp = None
                         if body.get("logprobs") is not None:
                             lp = {"tokens": [f"token_id:{t}" for t in toks], "token_logprobs": lps,
@@ -161,7 +170,7 @@ def make_handler(state: State):
                           longest_prompt=max(map(len, prompts), default=0), error=str(error))
                 return self.reply(400, {"error": {"message": str(error), "type": "BadRequestError",
                                                   "param": error.parameter, "code": 400}})
-            state.log("completions", n_prompts=len(prompts), max_tokens=max_tokens, stop=stop,
+            state.log("completions", n_prompts=len(prompts), max_tokens=max_tokens, stop=stop, seed=body.get("seed"),
                       extra=sorted(k for k in body if k not in ("model", "prompt")))
             return self.reply(200, {"id": "cmpl-fake", "object": "text_completion", "model": "fake-policy",
                                     "choices": choices, "usage": {}})
@@ -176,11 +185,13 @@ if __name__ == "__main__":
     ap.add_argument("--log", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max_model_len", type=int, default=None)
+    ap.add_argument("--latency", type=float, default=0.0, help="each completion waits uniform(0, this) seconds")
     a = ap.parse_args()
     # A fixed stream: only rank 0 talks to the server, so a run's requests come in one order and the run is
     # reproducible; a test that needs dialogues ending at different turns then passes or fails every time.
     _fakegen._RNG.seed(a.seed)
     st = State(a.model, a.log, a.max_model_len)
+    st.latency = a.latency
     server = ThreadingHTTPServer(("127.0.0.1", a.port), make_handler(st))
     print("ready", flush=True)
     server.serve_forever()

@@ -90,7 +90,7 @@ class LLM:
         outs = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             ids = p["prompt_token_ids"] if isinstance(p, dict) else p
-            toks, lps, finish = sample(ids, sp.max_tokens, sp.stop, self.max_model_len, sp.seed)
+            toks, lps, finish = sample(ids, sp.max_tokens, sp.stop, self.max_model_len, sp.seed, sp.temperature)
             lp = [{t: Logprob(l)} for t, l in zip(toks, lps)] if sp.logprobs is not None else None
             outs.append(RequestOutput(str(i), None, list(ids), [CompletionOutput(0, "", toks, None, lp, finish)]))
         log("LLM_generate", n_prompts=len(prompts), max_tokens=[sp.max_tokens for sp in params][:1],

@@ -70,9 +70,12 @@ def check_completion_request(prompts, max_tokens, max_model_len):
                 "of requested output tokens.", parameter="input_tokens", value=len(prompt_ids))
 
 
-def sample(prompt_ids, max_tokens, stop, max_model_len, seed=None):
+def sample(prompt_ids, max_tokens, stop, max_model_len, seed=None, temperature=1.0):
     """The engine's completion of one prompt: refused as vLLM's engine refuses it, else cut at max_tokens or
-    where prompt + completion reach max_model_len."""
+    where prompt + completion reach max_model_len. Greedy (temperature 0) or seeded, it is a function of the
+    prompt (and the seed) alone, whatever was sampled before; greedy ignores the seed, as vLLM does."""
+    if temperature == 0:
+        seed = 0
     if not prompt_ids:
         raise VLLMValidationError("The decoder prompt cannot be empty")
     if len(prompt_ids) > max_model_len:

@@ -1,0 +1,223 @@
+"""--rollout async against lockstep: the same dialogues, token ids, masks and logprobs when the policy decodes
+greedily (or with per-request seeds), whatever order the simulated users' and the policy server's random
+latencies make the turns come in; and with the rule user (which answers at once) every generate call holds the
+same dialogues as lockstep's, so a sampled CPU demo is unchanged. 2 ranks: tests/rollout_ranks.py."""
+import json
+import random
+import subprocess
+import sys
+import threading
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import free_port
+from fake_openai import FakeOpenAIServer
+
+import common
+import generation
+import rollout
+import simulator
+
+TESTS = Path(__file__).resolve().parent
+FAKE = TESTS / "fake_vllm"
+
+
+def user_answer(body: dict) -> str:
+    """What the fake simulated user answers: a function of the request alone (so both schedules get the same
+    answers to the same dialogue), with changes large enough that dialogues end at different turns."""
+    digest = zlib.crc32(json.dumps(body["messages"]).encode())
+    if "CHANGE" in body["messages"][-1]["content"]:
+        return f"They said something.\nCHANGE: {['+25', '-25', '+8', '-12', '+30'][digest % 5]}"
+    return ["Work has been a lot lately.", "I do not know what to do.", "Nobody listens to me."][digest % 3]
+
+
+class SlowUser:
+    """The fake simulator endpoint's answers, each after a random latency (up to `most` seconds, its own RNG)."""
+
+    def __init__(self, seed: int, most: float = 0.06):
+        self.delays, self.most, self.lock = random.Random(seed), most, threading.Lock()
+
+    def __call__(self, body: dict) -> dict:
+        with self.lock:
+            wait = self.delays.uniform(0, self.most)
+        return {"hang": wait, "text": user_answer(body)}
+
+
+class Recorded:
+    """A batched generate that records each call's number of contexts."""
+
+    def __init__(self, generate):
+        self.generate, self.calls = generate, []
+        self.lockstep_reason = getattr(generate, "lockstep_reason", None)
+
+    def __call__(self, contexts, max_new_tokens, stop=None):
+        self.calls.append(len(contexts))
+        return self.generate(contexts, max_new_tokens, stop=stop)
+
+
+def greedy(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    config = GenerationConfig(do_sample=False, eos_token_id=sorted(generation.end_of_turn_ids(tokenizer)),
+                              pad_token_id=tokenizer.pad_token_id)
+    return model, tokenizer, config
+
+
+def outcome(dialogues: list[rollout.Dialogue]) -> list[tuple]:
+    """Everything a trainer reads from the dialogues, by dialogue."""
+    return [(d.dialogue_id, d.prompt_ids, d.completion_ids, d.env_mask, d.logprobs, d.sampled_turn(), d.emotions,
+             d.reply_texts, d.think_texts, d.end_reason, d.format_violations) for d in dialogues]
+
+
+def play(tokenizer, generate, schedule: str, think: bool, user=None, profiles=4, repeats=2, **options):
+    """A rollout of `profiles` profiles x `repeats` dialogues with this schedule; the dialogues."""
+    dialogue_args = rollout.DialogueArguments(think=think, max_turns=4, max_think_tokens=8, max_reply_tokens=12,
+                                              max_dialogue_tokens=600, rollout=schedule, **options)
+    chosen = simulator.load_profiles(dialogue_args.profiles)[:profiles]
+    if user is None:  # the rule user: answers at once
+        runner = rollout.DialogueRunner(tokenizer, dialogue_args)
+        return_dialogues = runner.run([(p, p.first_talk or "Hi.") for p in chosen for _ in range(repeats)], generate)
+        runner.close()
+        return return_dialogues
+    with FakeOpenAIServer(respond=user) as server:
+        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
+        runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator.SimulatorArguments(
+            backend="llm", base_url=server.base_url, simulator_model="sim-model"), chat)
+        dialogues = runner.run([(p, "I had a rough week.") for p in chosen for _ in range(repeats)], generate)
+        runner.close()
+    return dialogues
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_async_plays_locksteps_dialogues_under_greedy_decoding_whatever_order_the_users_answer_in(tiny_model_dir,
+                                                                                                  think):
+    model, tokenizer, config = greedy(tiny_model_dir)
+    lockstep = Recorded(generation.TransformersGenerator(model, tokenizer, config))
+    expected = outcome(play(tokenizer, lockstep, "lockstep", think, SlowUser(seed=1)))
+    for seed in (2, 3):
+        asynchronous = Recorded(generation.TransformersGenerator(model, tokenizer, config))
+        dialogues = play(tokenizer, asynchronous, "async", think, SlowUser(seed=seed), batch_wait=0.005)
+        assert outcome(dialogues) == expected
+        # The dialogues did not advance together: more, smaller calls than lockstep's one per turn and phase.
+        assert len(asynchronous.calls) > len(lockstep.calls) and sum(asynchronous.calls) == sum(lockstep.calls)
+    assert len({d.end_reason for d in dialogues}) > 1 and len({len(d.reply_texts) for d in dialogues}) > 1
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_with_the_rule_user_async_makes_locksteps_calls_so_a_sampled_demo_is_unchanged(tiny_model_dir, think):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    sampling = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tokenizer.pad_token_id,
+                                eos_token_id=sorted(generation.end_of_turn_ids(tokenizer)))
+    results = {}
+    for schedule in ("lockstep", "async"):
+        torch.manual_seed(7)
+        generate = Recorded(generation.TransformersGenerator(model, tokenizer, sampling))
+        results[schedule] = (outcome(play(tokenizer, generate, schedule, think)), generate.calls)
+    assert results["async"] == results["lockstep"]
+
+
+def test_a_failing_generate_call_fails_the_rollout_and_leaves_no_task_behind(tiny_model_dir):
+    _, tokenizer, _ = greedy(tiny_model_dir)
+
+    def broken(contexts, max_new_tokens, stop=None):
+        raise RuntimeError("CUDA out of memory")
+
+    dialogue_args = rollout.DialogueArguments(max_turns=2)
+    runner = rollout.DialogueRunner(tokenizer, dialogue_args)
+    profile = simulator.load_profiles(dialogue_args.profiles)[0]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runner.run([(profile, "Hi.")] * 3, broken)
+    import asyncio
+
+    assert not asyncio.all_tasks(runner.loop)
+    runner.close()
+
+
+def test_a_collective_generator_is_played_in_lockstep_and_says_so(tiny_model_dir, capsys):
+    model, tokenizer, config = greedy(tiny_model_dir)
+    generate = Recorded(generation.TransformersGenerator(model, tokenizer, config))
+    generate.lockstep_reason = "its calls are collectives"
+    dialogues = play(tokenizer, generate, "async", False, profiles=2, repeats=1)
+    assert len(generate.calls) == 4  # one a turn, with the dialogues still playing (ranks stay in step)
+    assert all(dialogue.reply_texts for dialogue in dialogues)
+    assert "--rollout async: lockstep instead, as its calls are collectives" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------
+# A vLLM server: each turn its own request (async) against one request per call (lockstep)
+# --------------------------------------------------------------------------------------------
+
+class fake_vllm_server:
+    """tests/fake_vllm/server.py on 127.0.0.1, each completion after up to `latency` seconds."""
+
+    def __init__(self, model_dir, log: Path, latency: float = 0.0, seed: int = 0):
+        self.command = [sys.executable, str(FAKE / "server.py"), "--port", str(free_port()), "--model", str(model_dir),
+                        "--log", str(log), "--latency", str(latency), "--seed", str(seed)]
+
+    def __enter__(self):
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout.readline().strip() == "ready"
+        return f"http://127.0.0.1:{self.command[3]}"
+
+    def __exit__(self, *exc):
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture
+def vllm_client(monkeypatch):
+    """TRL's VLLMClient, which checks that vLLM is installed (here it talks to the fake server only)."""
+    from trl.generation import vllm_client
+
+    monkeypatch.setattr(vllm_client, "is_vllm_available", lambda *args, **kwargs: True)
+
+
+def batched_server_generator(url: str, temperature: float) -> generation.VLLMServerGenerator:
+    """train_ppo.py's lockstep generator on the fake server, without its NCCL weight channel (not used here)."""
+    from trl.generation.vllm_client import VLLMClient
+
+    generate = generation.VLLMServerGenerator.__new__(generation.VLLMServerGenerator)
+    generate.client = VLLMClient(base_url=url, connection_timeout=10)
+    generate.host, generate.port = "127.0.0.1", int(url.rsplit(":", 1)[1])
+    generate.temperature = temperature
+    return generate
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_server_requests_of_their_own_play_locksteps_dialogues_and_logprobs_under_greedy(tiny_model_dir, tmp_path,
+                                                                                         think, vllm_client):
+    _, tokenizer, _ = greedy(tiny_model_dir)
+    with fake_vllm_server(tiny_model_dir, tmp_path / "lockstep.log") as url:
+        expected = outcome(play(tokenizer, batched_server_generator(url, 0.0), "lockstep", think, SlowUser(1)))
+    with fake_vllm_server(tiny_model_dir, tmp_path / "async.log", latency=0.05) as url:
+        turns = batched_server_generator(url, 0.0).turns(seed=5, rank=0)
+        assert outcome(play(tokenizer, turns, "async", think, SlowUser(2))) == expected
+    requests = [json.loads(line) for line in (tmp_path / "async.log").read_text().splitlines()]
+    requests = [row for row in requests if row["event"] == "completions"]
+    assert {row["n_prompts"] for row in requests} == {1}  # each turn its own request
+    assert all((logprob is not None) == bool(sampled) for row in expected for logprob, sampled in zip(row[4], row[3]))
+
+
+def test_per_request_seeds_make_sampled_server_dialogues_independent_of_arrival_order(tiny_model_dir, tmp_path,
+                                                                                      vllm_client):
+    _, tokenizer, _ = greedy(tiny_model_dir)
+    played, seeds = [], []
+    for latency_seed in (1, 2):
+        log = tmp_path / f"server{latency_seed}.log"
+        with fake_vllm_server(tiny_model_dir, log, latency=0.05, seed=latency_seed) as url:
+            turns = batched_server_generator(url, 1.0).turns(seed=5, rank=0)
+            played.append(outcome(play(tokenizer, turns, "async", True, SlowUser(latency_seed))))
+        seeds.append(sorted(json.loads(line)["seed"] for line in log.read_text().splitlines()
+                            if json.loads(line)["event"] == "completions"))
+    assert played[0] == played[1] and seeds[0] == seeds[1]
+    assert len(set(seeds[0])) == len(seeds[0])  # every request its own seed
+    other_rank = generation.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, rank=1)
+    this_rank = generation.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, rank=0)
+    assert other_rank.request_seed((0, 0, "reply")) != this_rank.request_seed((0, 0, "reply"))
