@@ -38,6 +38,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
 
@@ -80,6 +81,9 @@ class EvalArguments:
         "help": "sampling seed: the same seed and simulator outputs give the same rows"})
     batch_size: int = field(default=16, metadata={
         "help": "scenarios played at once (local models; endpoints: at once in flight)"})
+    rollout: Literal["async", "lockstep"] = field(default="async", metadata={
+        "help": "local models: async, each scenario asks for its next reply as soon as its user answered; "
+                "lockstep, each turn waits for the batch's slowest user (rollout.py)"})
     rescore: list[str] = field(default_factory=list, metadata={
         "help": "result files to summarise (ours or official), printed as a leaderboard; no model is loaded"})
     bootstrap_samples: int = field(default=10000, metadata={"help": "resamples for the score's 95%% interval"})
@@ -270,12 +274,15 @@ def benchmark_dialogues(args: EvalArguments) -> rollout.DialogueArguments:
     return rollout.DialogueArguments(
         think=args.think, start_emotion=simulator.BENCHMARK_START_EMOTION, max_turns=simulator.BENCHMARK_MAX_TURNS,
         max_think_tokens=args.max_think_tokens, max_reply_tokens=args.max_reply_tokens,
-        max_dialogue_tokens=args.max_dialogue_tokens, policy_prompt="sentient", simulator_concurrency=args.batch_size)
+        max_dialogue_tokens=args.max_dialogue_tokens, policy_prompt="sentient", simulator_concurrency=args.batch_size,
+        rollout=args.rollout)
 
 
 def play_local(args, simulator_args, chat, profiles, done: set, output: Path, progress) -> None:
-    """Batches of scenarios in lockstep through rollout.py. Batches are cut from the full scenario list
-    and each is seeded by its index, so a resumed run plays what the uninterrupted run would have."""
+    """Batches of scenarios through rollout.py (--rollout). Batches are cut from the full scenario list and
+    each is seeded by its index, so a resumed run plays what the uninterrupted run would have (with an LLM
+    simulator and --rollout async, only when the model decodes greedily: its generate calls hold whichever
+    scenarios wait, so the sampling order follows the simulator's latencies)."""
     import torch
 
     common.use_all_cpu_cores()

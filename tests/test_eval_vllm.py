@@ -258,3 +258,39 @@ def test_the_fake_engine_refuses_a_prompt_filling_max_model_len_and_cuts_a_compl
     with pytest.raises(VLLMValidationError, match="prompt"):
         llm.generate([{"prompt_token_ids": [7] * 40}], SamplingParams(max_tokens=1), use_tqdm=False)
     assert not issubclass(VLLMValidationError, ValueError)
+
+
+@pytest.mark.parametrize("use_vllm", [False, True], ids=["transformers", "vllm"])
+def test_sentient_rows_are_the_same_with_rollout_async_and_lockstep(tiny_model_dir, vllm_log, use_vllm, tmp_path):
+    """The rule user answers at once, so async's generate calls hold lockstep's scenarios: the same sampled rows.
+    With an LLM simulator whose answers come back in random order, the same rows under greedy decoding."""
+    import random
+    import threading
+    import zlib
+
+    from fake_openai import FakeOpenAIServer
+
+    outputs = {}
+    for schedule in ("lockstep", "async"):
+        outputs[schedule] = tmp_path / f"{schedule}.jsonl"
+        run_sentient(tiny_model_dir, outputs[schedule], limit=3, batch_size=3, use_vllm=use_vllm, rollout=schedule)
+    assert [row["history"] for row in rows(outputs["async"])] == [row["history"] for row in rows(outputs["lockstep"])]
+
+    delays, lock = random.Random(0), threading.Lock()
+
+    def answer(body):  # a function of the request, after a random latency
+        with lock:
+            wait = delays.uniform(0, 0.05)
+        digest = zlib.crc32(json.dumps(body["messages"]).encode())
+        text = (f"Hm.\nCHANGE: {['+6', '-4', '+9'][digest % 3]}" if "CHANGE" in body["messages"][-1]["content"]
+                else ["Fine, I guess.", "It still hurts.", "Maybe."][digest % 3])
+        return {"hang": wait, "text": text}
+
+    with FakeOpenAIServer(respond=answer) as server:
+        llm_user = simulator.SimulatorArguments(backend="llm", base_url=server.base_url, simulator_model="sim-model")
+        for schedule in ("lockstep", "async"):
+            outputs[schedule] = tmp_path / f"llm-{schedule}.jsonl"
+            eval_sentient.evaluate(EvalArguments(model=str(tiny_model_dir), output=str(outputs[schedule]), limit=3,
+                                                 batch_size=3, max_reply_tokens=6, bootstrap_samples=100,
+                                                 temperature=0.0, use_vllm=use_vllm, rollout=schedule), llm_user)
+    assert [row["history"] for row in rows(outputs["async"])] == [row["history"] for row in rows(outputs["lockstep"])]

@@ -19,11 +19,12 @@ FAKE = TESTS / "fake_vllm"
 
 
 @contextmanager
-def serving(model_dir, log: Path, max_model_len: int | None = None):
+def serving(model_dir, log: Path, max_model_len: int | None = None, update_seconds: float = 0.0):
     """The fake `trl vllm-serve` on 127.0.0.1 (`--max_model_len` as vLLM's); yields its base URL."""
     port = free_port()
     command = [sys.executable, str(FAKE / "server.py"), "--port", str(port), "--model", str(model_dir),
-               "--log", str(log), *(["--max_model_len", str(max_model_len)] if max_model_len else [])]
+               "--log", str(log), "--update_seconds", str(update_seconds),
+               *(["--max_model_len", str(max_model_len)] if max_model_len else [])]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().strip() == "ready"
@@ -115,7 +116,8 @@ def grpo_command(tiny_model_dir, output_dir, *flags):
             "--num_generations", "2", "--per_device_train_batch_size", "4", "--use_vllm", "--use_cpu", "true", *flags]
 
 
-def test_grpo_in_server_mode_trains_on_two_ranks_whose_dialogues_end_at_different_turns(tiny_model_dir, tmp_path):
+def test_grpo_in_server_mode_lockstep_trains_on_two_ranks_whose_dialogues_end_at_different_turns(tiny_model_dir,
+                                                                                                 tmp_path):
     log = tmp_path / "client.log"
     # The fake's replies (up to 24 random tokens, garbled to the rule user: -10 a turn from 30, so gone by the
     # 3rd turn) against a 240-token dialogue budget that the longer openings reach first: dialogues end at
@@ -125,7 +127,7 @@ def test_grpo_in_server_mode_trains_on_two_ranks_whose_dialogues_end_at_differen
     with serving(tiny_model_dir, tmp_path / "server.log", max_model_len=240) as url:
         finished = two_ranks(*grpo_command(tiny_model_dir, tmp_path / "run", "--max_steps", "2", "--max_turns", "6",
                                            "--max_reply_tokens", "24", "--max_dialogue_tokens", "240", "--vllm_mode",
-                                           "server", "--vllm_server_base_url", url),
+                                           "server", "--vllm_server_base_url", url, "--rollout", "lockstep"),
                              env={"FAKE_VLLM_LOG": str(log)})
     assert finished.returncode == 0, finished.stderr[-3000:]
     calls = generate_calls(log)
@@ -139,6 +141,25 @@ def test_grpo_in_server_mode_trains_on_two_ranks_whose_dialogues_end_at_differen
     assert any(pair["0"] == pair["1"] == 0 for pair in counts.values()), "no call came after every dialogue ended"
     rows = [json.loads(line) for rank in (0, 1) for line in (tmp_path / "run" / f"transcripts.rank{rank}.jsonl").open()]
     assert len(rows) == 2 * 2 * 4  # steps x ranks x dialogues
+
+
+def test_grpo_in_server_mode_async_sends_each_turn_after_the_weights_are_pushed(tiny_model_dir, tmp_path):
+    """--rollout async (the default) on 2 ranks: each rank sends its dialogues' turns as requests of their own,
+    only once rank 0 has pushed the weights (the fake server takes a second a push, and refuses a completion
+    asked for meanwhile), each with its own completion and seed."""
+    log = tmp_path / "client.log"
+    with serving(tiny_model_dir, tmp_path / "server.log", max_model_len=240, update_seconds=1.0) as url:
+        finished = two_ranks(*grpo_command(tiny_model_dir, tmp_path / "run", "--max_steps", "2", "--max_turns", "4",
+                                           "--max_reply_tokens", "24", "--max_dialogue_tokens", "240", "--vllm_mode",
+                                           "server", "--vllm_server_base_url", url),
+                             env={"FAKE_VLLM_LOG": str(log)})
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert not server_events(tmp_path / "server.log", "completions_during_weight_update")
+    requests = [row for row in map(json.loads, log.read_text().splitlines()) if row["event"] == "turn_request"]
+    assert {row["rank"] for row in requests} == {"0", "1"} and not generate_calls(log)
+    assert all(row["verdict"] == "own" and row["logprobs_ok"] for row in requests)
+    assert len({row["seed"] for row in requests}) == len(requests)
+    assert {row["n_prompts"] for row in server_events(tmp_path / "server.log", "completions")} == {1}
 
 
 def test_grpo_colocate_think_run_samples_each_dialogues_own_completions(tiny_model_dir, tmp_path):

@@ -77,7 +77,7 @@ def vllm_run(tiny_model_dir, tmp_path_factory):
         server.kill()
         server.wait()
     assert finished.returncode == 0, finished.stderr[-3000:]
-    generate_calls = [row for row in json_lines(client_log) if row["event"] == "generate_call"]
+    generate_calls = [row for row in json_lines(client_log) if row["event"] in ("generate_call", "turn_request")]
     return folder / "run", json_lines(server_log), generate_calls
 
 
@@ -98,9 +98,34 @@ def test_vllm_gets_all_weights_in_one_update_session_per_step(vllm_run, tiny_mod
         assert session["stats"]["layer_restores_with_warning"] == 0  # every weight sent every time
 
 
-def test_every_vllm_generate_call_gets_its_own_completions(vllm_run):
-    _, _, generate_calls = vllm_run
-    assert len(generate_calls) == 8  # 2 steps x 2 turns x (think, reply)
+def test_every_vllm_request_gets_its_own_completion(vllm_run):
+    """--rollout async (the default): each dialogue's turn its own request, each with its own seed."""
+    _, server_log, requests = vllm_run
+    assert len(requests) == 16  # 2 steps x 2 dialogues x 2 turns x (think, reply)
+    for request in requests:
+        assert request["event"] == "turn_request" and request["verdict"] == "own" and request["logprobs_ok"]
+    assert len({request["seed"] for request in requests}) == 16
+    assert not [row for row in server_log if row["event"] == "completions_during_weight_update"]
+
+
+def test_with_rollout_lockstep_every_vllm_generate_call_gets_its_own_completions(tiny_model_dir, tmp_path):
+    port, client_log = free_port(), tmp_path / "client.log"
+    server = subprocess.Popen([sys.executable, str(FAKE / "server.py"), "--port", str(port), "--model",
+                               str(tiny_model_dir), "--log", str(tmp_path / "server.log")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        finished = subprocess.run(
+            [sys.executable, str(FAKE / "run.py"), "train_ppo.py", "--use_vllm", "--vllm_server_host", "127.0.0.1",
+             "--vllm_server_port", str(port), "--model_name_or_path", str(tiny_model_dir), "--rollout", "lockstep",
+             "--output_dir", str(tmp_path / "run"), "--think", "--max_steps", "1", *SMALL_RUN],
+            cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "FAKE_VLLM_LOG": str(client_log)})
+    finally:
+        server.kill()
+        server.wait()
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    generate_calls = [row for row in json_lines(client_log) if row["event"] in ("generate_call", "turn_request")]
+    assert len(generate_calls) == 4  # 2 turns x (think, reply)
     for call in generate_calls:
         assert call["cls"] == "VLLMServerGenerator" and set(call["verdicts"]) == {"own"} and call["logprobs_ok"]
 

@@ -221,3 +221,25 @@ def test_per_request_seeds_make_sampled_server_dialogues_independent_of_arrival_
     other_rank = generation.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, rank=1)
     this_rank = generation.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, rank=0)
     assert other_rank.request_seed((0, 0, "reply")) != this_rank.request_seed((0, 0, "reply"))
+
+
+def test_on_two_ranks_every_schedule_and_vllm_mode_plays_the_same_dialogues(tiny_model_dir, tmp_path):
+    """tests/rollout_ranks.py: TRL's VLLMGeneration in server and colocate mode, lockstep and async, ranks with
+    3 and 2 dialogues whose users answer after random latencies; greedy, so all four must agree, rank by rank."""
+    import os
+
+    with fake_vllm_server(tiny_model_dir, tmp_path / "server.log", latency=0.03) as url, \
+            FakeOpenAIServer(respond=SlowUser(seed=4)) as users:
+        finished = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+             str(TESTS / "rollout_ranks.py"), str(tmp_path), str(tiny_model_dir), url, users.base_url],
+            capture_output=True, text=True, cwd=TESTS.parent, timeout=400,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"})
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    for rank, dialogues in ((0, 3), (1, 2)):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        expected = results["server-lockstep"]
+        assert len(expected) == dialogues
+        assert all(results[schedule] == expected for schedule in ("server-async", "colocate-lockstep", "colocate-async"))
+    assert len({row["turns"] for rank in (0, 1)
+                for row in json.loads((tmp_path / f"rank{rank}.json").read_text())["server-async"]}) > 1

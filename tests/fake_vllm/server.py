@@ -54,7 +54,7 @@ class State:
         self.round = None
         self.stats = defaultdict(int)
         self.corrupt = set()
-        self.latency, self.delays = 0.0, random.Random(0)
+        self.latency, self.delays, self.update_seconds = 0.0, random.Random(0), 0.0
 
     def log(self, event, **fields):
         with self.lock, open(self.log_path, "a") as out:
@@ -103,6 +103,7 @@ def make_handler(state: State):
                     state.stats["rounds"] += 1
                 return self.reply(200, {"message": "Weight update started"})
             if path == "/update_weights":
+                time.sleep(state.update_seconds)  # a real model's weights take a while: requests meanwhile are caught
                 info = body["update_info"]
                 bad = [n for n in info["names"] if n not in state.expected]
                 wrong_shape = [n for n, s in zip(info["names"], info["shapes"]) if n in state.expected and s != state.expected[n]]
@@ -186,12 +187,13 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max_model_len", type=int, default=None)
     ap.add_argument("--latency", type=float, default=0.0, help="each completion waits uniform(0, this) seconds")
+    ap.add_argument("--update_seconds", type=float, default=0.0, help="each /update_weights call takes this long")
     a = ap.parse_args()
     # A fixed stream: only rank 0 talks to the server, so a run's requests come in one order and the run is
     # reproducible; a test that needs dialogues ending at different turns then passes or fails every time.
     _fakegen._RNG.seed(a.seed)
     st = State(a.model, a.log, a.max_model_len)
-    st.latency = a.latency
+    st.latency, st.update_seconds = a.latency, a.update_seconds
     server = ThreadingHTTPServer(("127.0.0.1", a.port), make_handler(st))
     print("ready", flush=True)
     server.serve_forever()
