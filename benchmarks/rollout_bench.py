@@ -1,25 +1,24 @@
-"""Rollout throughput: does a step cost what its slowest simulator calls cost, or their sum?
+"""Rollout throughput: does a step cost what its slowest simulator calls cost, or its longest dialogue?
 
     python benchmarks/rollout_bench.py                      # 32 dialogues x 4 turns, median 0.3 s a call
-    python benchmarks/rollout_bench.py --dialogues 64 --turns 8 --sigma 1.0 --policy smollm2-135m-instruct
     python benchmarks/rollout_bench.py --dialogues 64 --turns 8 --median 1 --sigma 1.0 --no_sequential  # paper's
+    python benchmarks/rollout_bench.py --batch_waits 0,0.05,0.2    # async once per --batch_wait
 
-Plays the same dialogues twice through `rollout.DialogueRunner` against a fake OpenAI-compatible
-simulator on 127.0.0.1 (tests/fake_openai.py) whose every call waits a log-normal latency and
-reports token usage:
-  (a) our rollout, simulator calls of all dialogues concurrent (`--simulator_concurrency`);
-  (b) the same rollout one simulator call at a time (concurrency 1: the original design);
-  (c) the lockstep ideal: policy generation time of (a) plus, for each turn, the slowest dialogue's
+Plays the same dialogues through `rollout.DialogueRunner` against a fake OpenAI-compatible simulator on
+127.0.0.1 (tests/fake_openai.py) whose every call waits a log-normal latency and reports token usage:
+  (a) lockstep (`--rollout lockstep`), simulator calls of all dialogues concurrent (`--simulator_concurrency`);
+  (b) async (`--rollout async`, the default): each dialogue asks for its next policy turn as soon as its own
+      user answered, the waiting ones sharing a generate call (`--batch_wait`);
+  (c) lockstep, one simulator call at a time (concurrency 1: the original design);
+  (d) the lockstep ideal: policy generation time of (a) plus, for each turn, the slowest dialogue's
       simulator turn (its analysis and reply latencies together);
-  (d) the async ideal, what a rollout without the per-turn barrier could reach: the longest single
-      dialogue's own chain (its simulator turns, and a policy call for each of its turns, timed as (a)'s
-      batched call), or all of the policy's generation time, whichever is larger. (a)/(d) is what leaving
-      lockstep could gain at most.
-A call's latency is a function of its messages, so both runs wait exactly the same latencies; the
-policy decodes greedily, each reply its full token budget, so both runs play exactly the same
+  (e) the async ideal of each async run: the longest single dialogue's own chain (its simulator turns, and
+      for each of its turns the run's shortest policy call), or all of the run's policy time (its calls run
+      one at a time), whichever is larger.
+A call's latency is a function of its messages, so every run waits exactly the same latencies; the
+policy decodes greedily, each reply its full token budget, so every run plays exactly the same
 dialogues (checked). The policy is a tiny random Llama on the real SmolLM2 tokenizer unless
-`--policy` names a model: its time is the same in (a), (b) and (c), and a small one leaves the
-simulator's share in view.
+`--policy` names a model: a small one leaves the simulator's share in view.
 """
 import argparse
 import hashlib
@@ -108,15 +107,14 @@ class TimedGenerator:
     """The policy's generator, timing and counting its calls."""
 
     def __init__(self, generate):
-        self.generate, self.seconds, self.calls = generate, 0.0, 0
+        self.generate, self.durations = generate, []
 
     def __call__(self, contexts, max_new_tokens, stop=None):
-        self.calls += 1
         started = time.perf_counter()
         try:
             return self.generate(contexts, max_new_tokens, stop=stop)
         finally:
-            self.seconds += time.perf_counter() - started
+            self.durations.append(time.perf_counter() - started)
 
 
 def load_policy(name: str):
@@ -132,11 +130,13 @@ def load_policy(name: str):
     return LlamaForCausalLM(config).eval(), tokenizer
 
 
-def play(args, model, tokenizer, base_url: str, concurrency: int, starts) -> dict:
+def play(args, model, tokenizer, base_url: str, concurrency: int, starts, schedule: str = "lockstep",
+         batch_wait: float = 0.0) -> dict:
     chat = TimedChat(base_url, "sim-model", median=args.median, sigma=args.sigma, timeout=CALL_TIMEOUT, max_retries=0)
     dialogue_args = rollout.DialogueArguments(max_turns=args.turns, max_reply_tokens=args.reply_tokens,
                                               max_dialogue_tokens=4096, start_emotion=50,
-                                              simulator_concurrency=concurrency)
+                                              simulator_concurrency=concurrency, rollout=schedule,
+                                              batch_wait=batch_wait)
     runner = rollout.DialogueRunner(tokenizer, dialogue_args, chat=chat)
     # Greedy, each reply its full budget: both runs play the same dialogues, of the length sampling
     # would give (on CPU, torch.multinomial over a 49k vocabulary would be most of a tiny model's time).
@@ -150,17 +150,18 @@ def play(args, model, tokenizer, base_url: str, concurrency: int, starts) -> dic
     turn_latencies = [[sum(calls[i:i + 2]) for i in range(0, len(calls), 2)]  # analysis + reply, per turn
                       for calls in (chat.latencies[id(d.simulator.calls)] for d in dialogues)]
     slowest = [max(lat[t] for lat in turn_latencies if t < len(lat)) for t in range(max(map(len, turn_latencies)))]
-    return {"wall": wall, "policy": generate.seconds, "started": started, "dialogues": dialogues,
-            "turn_latencies": turn_latencies, "ideal": generate.seconds + sum(slowest), "totals": chat.totals,
-            "async_ideal": async_ideal(turn_latencies, generate.seconds, generate.calls)}
+    policy = sum(generate.durations)
+    return {"wall": wall, "policy": policy, "calls": len(generate.durations), "started": started,
+            "dialogues": dialogues, "turn_latencies": turn_latencies, "ideal": policy + sum(slowest),
+            "totals": chat.totals, "async_ideal": async_ideal(turn_latencies, generate.durations)}
 
 
-def async_ideal(turn_latencies: list[list[float]], policy_seconds: float, policy_calls: int) -> float:
-    """Without the per-turn barrier a dialogue waits only on its own chain: its simulator turns, and a policy
-    call for each of its turns (timed as lockstep's batched call); all of the policy's compute bounds it too."""
-    per_call = policy_seconds / max(policy_calls, 1)
-    chain = max(sum(latencies) + len(latencies) * per_call for latencies in turn_latencies)
-    return max(chain, policy_seconds)
+def async_ideal(turn_latencies: list[list[float]], call_seconds: list[float]) -> float:
+    """The least a rollout without the per-turn barrier could take: each dialogue waits at least its own
+    chain, its simulator turns and, for each of its turns, the run's shortest policy call; and the policy's
+    calls, one at a time, take all their time."""
+    chain = max(sum(latencies) + len(latencies) * min(call_seconds) for latencies in turn_latencies)
+    return max(chain, sum(call_seconds))
 
 
 MAX_DIALOGUES, MAX_TURNS = 1024, 32
@@ -178,13 +179,21 @@ def main(argv=None) -> None:
                         help="our rollout's simulator concurrency (default: the scripts' default)")
     parser.add_argument("--policy", default="tiny", help="'tiny' (random, 2 layers) or a model path / packaged name")
     parser.add_argument("--no_sequential", action="store_true",
-                        help="leave out (b), one call at a time (at the paper's shape it waits half an hour)")
+                        help="leave out (c), one call at a time (at the paper's shape it waits half an hour)")
+    parser.add_argument("--batch_waits", default=str(rollout.DialogueArguments.batch_wait),
+                        help="comma-separated --batch_wait values: the async run (b) once for each")
     args = parser.parse_args(argv)
+    try:
+        args.batch_waits = [float(value) for value in args.batch_waits.split(",")]
+    except ValueError:
+        args.batch_waits = [math.nan]
     bad = [f"--{name} must be {what}" for name, value, what in (
         ("dialogues", args.dialogues, "at least 1"), ("turns", args.turns, "at least 1"),
         ("reply_tokens", args.reply_tokens, "at least 1"), ("concurrency", args.concurrency, "at least 1"),
         ("median", args.median, "a finite number above 0"), ("sigma", args.sigma, "a finite number, 0 or more"))
         if not math.isfinite(value) or value < (0 if name == "sigma" else 1e-9 if name == "median" else 1)]
+    if not all(0 <= wait <= 10 for wait in args.batch_waits):  # nan too
+        bad.append("--batch_waits must be comma-separated seconds, each from 0 to 10")
     # Beyond these the sequential run alone (dialogues x turns x 2 calls, one at a time) takes days and the
     # dialogues' tensors outgrow memory, with nothing said while it happens.
     bad += [f"--{name} must be at most {most}" for name, value, most in (
@@ -208,34 +217,46 @@ def main(argv=None) -> None:
 
     server = LatencyServer(args.median, args.sigma)
     with server.server:
-        ours = play(args, model, tokenizer, server.server.base_url, args.concurrency, starts)
-        mean_in_flight, max_in_flight = server.in_flight(ours["started"])
-        sequential = None if args.no_sequential else play(args, model, tokenizer, server.server.base_url, 1, starts)
-    for run in filter(None, (ours, sequential)):
+        url = server.server.base_url
+        lockstep = play(args, model, tokenizer, url, args.concurrency, starts)
+        mean_in_flight, max_in_flight = server.in_flight(lockstep["started"])
+        asynchronous = {wait: play(args, model, tokenizer, url, args.concurrency, starts, "async", wait)
+                        for wait in args.batch_waits}
+        async_in_flight = server.in_flight(asynchronous[args.batch_waits[-1]]["started"])
+        sequential = None if args.no_sequential else play(args, model, tokenizer, url, 1, starts)
+    runs = [lockstep, *asynchronous.values(), *filter(None, [sequential])]
+    for run in runs:
         if run["totals"].failed or run["totals"].retries:
             raise SystemExit(f"the fake simulator failed {run['totals'].failed} calls "
                              f"and retried {run['totals'].retries}")
-    if sequential is not None and ([d.completion_ids for d in ours["dialogues"]]
-                                   != [d.completion_ids for d in sequential["dialogues"]]
-                                   or ours["turn_latencies"] != sequential["turn_latencies"]):
-        raise SystemExit("the two runs did not play the same dialogues with the same latencies")
-    totals, n = ours["totals"], args.dialogues
+        if ([d.completion_ids for d in run["dialogues"]] != [d.completion_ids for d in lockstep["dialogues"]]
+                or run["turn_latencies"] != lockstep["turn_latencies"]):
+            raise SystemExit("the runs did not play the same dialogues with the same latencies")
+    totals, n = lockstep["totals"], args.dialogues
 
     print(f"{n} dialogues x {args.turns} turns; simulator latency log-normal, median {args.median} s, sigma "
           f"{args.sigma}; policy: {args.policy}; {totals.calls} calls a run")
-    print("| run | wall time (s) |\n| --- | --- |")
-    print(f"| (a) ours, concurrency {args.concurrency} | {ours['wall']:.2f} |")
+    print("| run | wall time (s) | policy calls | policy time (s) | async ideal (e) of the run (s) |\n"
+          "| --- | --- | --- | --- | --- |")
+    print(f"| (a) lockstep, concurrency {args.concurrency} | {lockstep['wall']:.2f} | {lockstep['calls']} | "
+          f"{lockstep['policy']:.2f} | |")
+    for wait, run in asynchronous.items():
+        print(f"| (b) async, batch_wait {wait:g} s | {run['wall']:.2f} | {run['calls']} | {run['policy']:.2f} | "
+              f"{run['async_ideal']:.2f} |")
     if sequential is not None:
-        print(f"| (b) one simulator call at a time | {sequential['wall']:.2f} |")
-    print(f"| (c) lockstep ideal: policy {ours['policy']:.2f} s + slowest simulator turn per turn | "
-          f"{ours['ideal']:.2f} |")
-    print(f"| (d) async ideal: the longest dialogue's own chain (its simulator turns + a policy call a turn), or "
-          f"all policy time | {ours['async_ideal']:.2f} |")
-    print(f"efficiency (c)/(a): {ours['ideal'] / ours['wall']:.3f}")
+        print(f"| (c) lockstep, one simulator call at a time | {sequential['wall']:.2f} | {sequential['calls']} | "
+              f"{sequential['policy']:.2f} | |")
+    print(f"| (d) lockstep ideal: (a)'s policy time + slowest simulator turn per turn | {lockstep['ideal']:.2f} | | | |")
+    print("(e) async ideal: the longest dialogue's own chain (its simulator turns + the run's shortest policy call "
+          "a turn), or all the run's policy time")
+    print(f"lockstep efficiency (d)/(a): {lockstep['ideal'] / lockstep['wall']:.3f}")
+    for wait, run in asynchronous.items():
+        print(f"async, batch_wait {wait:g} s: {lockstep['wall'] / run['wall']:.2f}x faster than lockstep, "
+              f"{run['async_ideal'] / run['wall']:.3f} of its async ideal (e)/(b)")
     if sequential is not None:
-        print(f"speed-up (b)/(a): {sequential['wall'] / ours['wall']:.1f}x")
-    print(f"what leaving lockstep could gain at most, (a)/(d): {ours['wall'] / ours['async_ideal']:.1f}x")
-    print(f"simulator calls in flight while any is: mean {mean_in_flight:.1f}, max {max_in_flight}")
+        print(f"speed-up of lockstep over one call at a time (c)/(a): {sequential['wall'] / lockstep['wall']:.1f}x")
+    print(f"simulator calls in flight while any is: lockstep mean {mean_in_flight:.1f}, max {max_in_flight}; "
+          f"async mean {async_in_flight[0]:.1f}, max {async_in_flight[1]}")
     print(f"simulator tokens per dialogue: {totals.prompt_tokens / n:.0f} prompt, {totals.completion_tokens / n:.0f} "
           "completion (whitespace words, as the fake server counts them)")
 

@@ -468,11 +468,12 @@ def test_the_throughput_benchmark_runs_and_reports_its_ratios():
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "rollout_bench.py"
     finished = subprocess.run([sys.executable, str(script), "--dialogues", "3", "--turns", "2", "--median", "0.02",
-                               "--reply_tokens", "4"], capture_output=True, text=True, timeout=300)
+                               "--reply_tokens", "4", "--batch_waits", "0,0.01"], capture_output=True, text=True,
+                              timeout=300)
     assert finished.returncode == 0, finished.stderr[-2000:]
-    assert "efficiency (c)/(a):" in finished.stdout and "speed-up (b)/(a):" in finished.stdout
-    assert "| (d) async ideal: " in finished.stdout and "what leaving lockstep could gain at most, (a)/(d):" in \
-        finished.stdout
+    assert "lockstep efficiency (d)/(a):" in finished.stdout and "(c)/(a):" in finished.stdout
+    assert "| (b) async, batch_wait 0 s |" in finished.stdout and "| (b) async, batch_wait 0.01 s |" in finished.stdout
+    assert "(e) async ideal: " in finished.stdout and "of its async ideal (e)/(b)" in finished.stdout
     assert "3 dialogues x 2 turns" in finished.stdout and "12 calls a run" in finished.stdout  # 3 x 2 x (analysis + reply)
 
 
@@ -480,9 +481,9 @@ def test_the_async_ideal_is_the_longest_dialogue_s_own_chain_or_all_policy_time(
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import rollout_bench
 
-    # 4 policy calls of 0.5 s: dialogue 0 waits 1 + 2 + 2 x 0.5 = 4 s, dialogue 1 waits 3 + 0.5 = 3.5 s.
-    assert rollout_bench.async_ideal([[1.0, 2.0], [3.0]], 2.0, 4) == 4.0
-    assert rollout_bench.async_ideal([[1.0, 2.0], [3.0]], 10.0, 4) == 10.0  # the policy's compute is longer
+    # Policy calls of 0.5 s at shortest: dialogue 0 waits 1 + 2 + 2 x 0.5 = 4 s, dialogue 1 waits 3 + 0.5 = 3.5 s.
+    assert rollout_bench.async_ideal([[1.0, 2.0], [3.0]], [0.5, 0.75, 0.5, 0.5]) == 4.0
+    assert rollout_bench.async_ideal([[1.0, 2.0], [3.0]], [0.5, 2.5, 3.5, 3.5]) == 10.0  # the policy's compute is longer
 
 
 def test_every_end_token_of_the_models_generation_config_ends_a_turn(tiny_model_dir, tmp_path):
@@ -604,6 +605,8 @@ def test_a_dialogue_goes_on_exactly_while_the_next_user_message_and_a_minimal_tu
     (["--policy", "/no/such/model"], "error: --policy /no/such/model"),
     (["--dialogues", "100000", "--turns", "100000"], "--dialogues must be at most 1024; --turns must be at most 32"),
     (["--median", "1e9"], "--median must be at most 6.0"),  # every call would time out, after minutes of silence
+    (["--batch_waits", "0,x"], "--batch_waits must be comma-separated seconds"),
+    (["--batch_waits", "-1"], "--batch_waits must be comma-separated seconds"),
 ])
 def test_the_rollout_benchmark_checks_its_options_before_it_loads_anything(argv, message, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
