@@ -243,3 +243,16 @@ def test_on_two_ranks_every_schedule_and_vllm_mode_plays_the_same_dialogues(tiny
         assert all(results[schedule] == expected for schedule in ("server-async", "colocate-lockstep", "colocate-async"))
     assert len({row["turns"] for rank in (0, 1)
                 for row in json.loads((tmp_path / f"rank{rank}.json").read_text())["server-async"]}) > 1
+
+
+def test_trls_vllm_generate_is_left_in_lockstep_exactly_where_it_is_a_collective():
+    from types import SimpleNamespace
+
+    def reason(mode, tensor_parallel_size=1, enable_sleep_mode=False):
+        return generation.vllm_lockstep_reason(SimpleNamespace(mode=mode, tensor_parallel_size=tensor_parallel_size,
+                                                               enable_sleep_mode=enable_sleep_mode))
+
+    assert reason("colocate") is None
+    assert "tensor parallelism 2" in reason("colocate", tensor_parallel_size=2)
+    assert "sleep mode" in reason("colocate", enable_sleep_mode=True)
+    assert "gathers every rank's prompts" in reason("server")
