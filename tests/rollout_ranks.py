@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc_per_node 2 tests/rollout_ranks.py OUT_DIR MODEL SERVER_URL SIMULATOR_URL
 
 TRL's real VLLMGeneration, greedy, in server mode (lockstep: TRL's generate, a collective; async: a request of
-our own for each turn) and in colocate mode with tensor parallelism 1 (lockstep, then async: TurnBatcher).
+our own for each turn) and in colocate mode with tensor parallelism 1 (lockstep, then async: TurnBatcher); and
+transformers' generate on each rank's own model, greedy (lockstep, then async).
 Rank 0 plays 3 dialogues and rank 1 plays 2, and an LLM simulated user answers after random latencies, so the
 ranks make different calls at different times. Each rank writes what its dialogues hold, by schedule, to
 OUT_DIR/rank<N>.json."""
@@ -16,7 +17,7 @@ from types import SimpleNamespace
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_vllm")]
 import run  # noqa: E402,F401  (the fake's patches: TRL's CUDA-only rendezvous)
 from accelerate import Accelerator, InitProcessGroupKwargs  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
 import common  # noqa: E402
@@ -37,15 +38,19 @@ simulator_args = simulator.SimulatorArguments(backend="llm", base_url=simulator_
                                             change_bound=25)  # large changes: dialogues end at different turns
 profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES)[rank * 3:rank * 3 + (3 if rank == 0 else 2)]
 results = {}
-for mode in ("server", "colocate"):
+greedy = GenerationConfig(do_sample=False, eos_token_id=sorted(generation.end_of_turn_ids(tokenizer)),
+                          pad_token_id=tokenizer.pad_token_id)
+for mode in ("server", "colocate", "transformers"):
     for schedule in ("lockstep", "async"):
         dialogue_args = rollout.DialogueArguments(think=True, max_turns=4, max_think_tokens=8, max_reply_tokens=12,
                                                   max_dialogue_tokens=600, rollout=schedule)
         runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args,
                                         common.ChatClient(simulator_url, "sim-model", max_retries=0))
-        trainer = SimpleNamespace(vllm_generation=vllm[mode], accelerator=accelerator, args=SimpleNamespace(seed=0),
+        trainer = SimpleNamespace(vllm_generation=vllm.get(mode), accelerator=accelerator, args=SimpleNamespace(seed=0),
                                   state=SimpleNamespace(global_step=0))
-        if mode == "server" and schedule == "async":
+        if mode == "transformers":  # each rank its own copy (DDP): generate is no collective
+            generate = generation.TransformersGenerator(model, tokenizer, greedy)
+        elif mode == "server" and schedule == "async":
             generate = generation.VLLMServerTurns.of_trainer(trainer)
         else:
             generate = generation.VLLMGenerator(trainer)

@@ -260,10 +260,10 @@ def test_the_fake_engine_refuses_a_prompt_filling_max_model_len_and_cuts_a_compl
     assert not issubclass(VLLMValidationError, ValueError)
 
 
-@pytest.mark.parametrize("use_vllm", [False, True], ids=["transformers", "vllm"])
-def test_sentient_rows_are_the_same_with_rollout_async_and_lockstep(tiny_model_dir, vllm_log, use_vllm, tmp_path):
-    """The rule user answers at once, so async's generate calls hold lockstep's scenarios: the same sampled rows.
-    With an LLM simulator whose answers come back in random order, the same rows under greedy decoding."""
+def test_sentient_rows_are_the_same_with_rollout_async_and_lockstep(tiny_model_dir, vllm_log, tmp_path):
+    """Transformers with the rule user, who answers at once: async's generate calls hold lockstep's scenarios,
+    so the same sampled rows. The vLLM engine with an LLM simulator answering in random order: the same rows
+    under greedy decoding (tests/test_rollout_async.py has the other pairings)."""
     import random
     import threading
     import zlib
@@ -273,7 +273,7 @@ def test_sentient_rows_are_the_same_with_rollout_async_and_lockstep(tiny_model_d
     outputs = {}
     for schedule in ("lockstep", "async"):
         outputs[schedule] = tmp_path / f"{schedule}.jsonl"
-        run_sentient(tiny_model_dir, outputs[schedule], limit=3, batch_size=3, use_vllm=use_vllm, rollout=schedule)
+        run_sentient(tiny_model_dir, outputs[schedule], limit=3, batch_size=3, rollout=schedule)
     assert [row["history"] for row in rows(outputs["async"])] == [row["history"] for row in rows(outputs["lockstep"])]
 
     delays, lock = random.Random(0), threading.Lock()
@@ -292,5 +292,5 @@ def test_sentient_rows_are_the_same_with_rollout_async_and_lockstep(tiny_model_d
             outputs[schedule] = tmp_path / f"llm-{schedule}.jsonl"
             eval_sentient.evaluate(EvalArguments(model=str(tiny_model_dir), output=str(outputs[schedule]), limit=3,
                                                  batch_size=3, max_reply_tokens=6, bootstrap_samples=100,
-                                                 temperature=0.0, use_vllm=use_vllm, rollout=schedule), llm_user)
+                                                 temperature=0.0, use_vllm=True, rollout=schedule), llm_user)
     assert [row["history"] for row in rows(outputs["async"])] == [row["history"] for row in rows(outputs["lockstep"])]

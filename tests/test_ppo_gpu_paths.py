@@ -108,28 +108,6 @@ def test_every_vllm_request_gets_its_own_completion(vllm_run):
     assert not [row for row in server_log if row["event"] == "completions_during_weight_update"]
 
 
-def test_with_rollout_lockstep_every_vllm_generate_call_gets_its_own_completions(tiny_model_dir, tmp_path):
-    port, client_log = free_port(), tmp_path / "client.log"
-    server = subprocess.Popen([sys.executable, str(FAKE / "server.py"), "--port", str(port), "--model",
-                               str(tiny_model_dir), "--log", str(tmp_path / "server.log")], stdout=subprocess.PIPE,
-                              text=True)
-    try:
-        assert server.stdout.readline().strip() == "ready"
-        finished = subprocess.run(
-            [sys.executable, str(FAKE / "run.py"), "train_ppo.py", "--use_vllm", "--vllm_server_host", "127.0.0.1",
-             "--vllm_server_port", str(port), "--model_name_or_path", str(tiny_model_dir), "--rollout", "lockstep",
-             "--output_dir", str(tmp_path / "run"), "--think", "--max_steps", "1", *SMALL_RUN],
-            cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "FAKE_VLLM_LOG": str(client_log)})
-    finally:
-        server.kill()
-        server.wait()
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    generate_calls = [row for row in json_lines(client_log) if row["event"] in ("generate_call", "turn_request")]
-    assert len(generate_calls) == 4  # 2 turns x (think, reply)
-    for call in generate_calls:
-        assert call["cls"] == "VLLMServerGenerator" and set(call["verdicts"]) == {"own"} and call["logprobs_ok"]
-
-
 def test_outputs_and_checkpoints_hold_the_tokenizer_for_the_evaluations(vllm_run, tiny_model_dir):
     from transformers import AutoTokenizer
 
