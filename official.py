@@ -20,8 +20,8 @@ What is reproduced, byte for byte, from `SAGE/simulator_response.py` (the Sentie
   first line after `Change:`, or of its last line when the text says "变化") and of the reply
   (the text after the last `Response:`, brackets and curly quotes stripped).
 
-Where the official code cannot run as written, we do what it evidently intends (README, "Official
-prompts", lists the same choices):
+Where the official code cannot run as written, we do what it evidently intends (docs/official_prompts.md
+lists the same choices):
 1. SAGE `planning_reply` replaces `{{target}}` twice, the second time with `target_prompt[player_data
    ["target"]]`, which raises (a string indexed by a key SAGE's player data never has). The first
    replacement already filled every `{{target}}`, so the second is dropped: the bytes are those the first

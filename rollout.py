@@ -599,7 +599,7 @@ def rollout_output(dialogues: list[Dialogue], with_logprobs: bool) -> dict:
 
 
 def dialogue_metrics(columns: dict[str, list], max_turns: int) -> dict[str, float]:
-    """The fixed set of training metrics (README lists them), from the columns of dialogue_record (keys
+    """The fixed set of training metrics (docs/usage.md lists them), from the columns of dialogue_record (keys
     it does not read are ignored: TRL's reward keyword arguments hold more). Emotions, lengths and formats
     are over the scored dialogues; `dialogue/ended_simulator_failed` is the share of all dialogues whose
     simulator failed; the simulator's calls, retries, failed calls and tokens are totals over all

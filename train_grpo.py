@@ -55,7 +55,7 @@ vLLM (`use_vllm`, generation only; the recipes colocate it with the trainer on e
   least 2 x max_turns a step with --think; a context near max_dialogue_tokens has a smaller budget and
   its own call), so every call pays a full weight sync and a prefill of the whole context.
 
-Logged every step (README "Metrics"): reward; emotion/final_mean, emotion/success_rate (final =
+Logged every step (docs/usage.md "Metrics"): reward; emotion/final_mean, emotion/success_rate (final =
 100), emotion/failure_rate (final < 10), emotion/after_turn_k; dialogue/turns_mean,
 dialogue/ended_<reason>; format/violation_rate; length/think_tokens_per_turn,
 length/reply_tokens_per_turn; simulator/seconds_per_turn. Transcripts of every dialogue go to

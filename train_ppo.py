@@ -143,7 +143,7 @@ class PPOArguments:
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch (paper: 1)"})
     # Demo: one update per batch, as the GRPO demo makes. Two updates on halves (4 rows each) stayed
     # flat (35.2 +- 0.6 -> 34.2 +- 1.4 over 30 steps); one update gave +1.1 +- 1.3, and +5.0 +- 1.1
-    # with --seed 1 (README).
+    # with --seed 1 (docs/learning.md).
     minibatch_size: int = field(default=8, metadata={
         "help": "rows per optimizer step, at most: a batch makes the fewest such steps, its rows shared out evenly "
                 "(demo: the whole batch)"})

