@@ -10,7 +10,7 @@ its previous call, `PrefixCache`, and `--prefix_cache false` turns that off); in
 `use_vllm`, `VLLMGenerator` over `trainer.vllm_generation`; elsewhere (train_ppo.py), `VLLMServerGenerator`
 over `trl vllm-serve`; for evaluation, `VLLMEngineGenerator` (an in-process engine). These take a batch of
 contexts a call. With `--rollout async` on a vLLM server, `VLLMServerTurns` takes one turn a request instead.
-The vLLM ones are rehearsed on CPU against a fake vLLM (tests/fake_vllm), not yet run on a GPU.
+The vLLM ones are rehearsed on CPU against a fake vLLM (tests/fake_vllm); none has run on a GPU.
 """
 import collections
 import copy
