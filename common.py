@@ -819,7 +819,7 @@ class ChatClient:
     (one connection pool) serves every dialogue; `totals` counts its traffic."""
 
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
-                 temperature: float | None = 0.7, max_tokens: int | None = 512, timeout: float = 120.0,
+                 temperature: float | None = None, max_tokens: int | None = None, timeout: float = 120.0,
                  max_retries: int = 3, role: str = "simulator", whole_answers: bool = False):
         """`temperature`, `max_tokens`: sent when not None (else the server's own). `whole_answers`: an answer
         cut at max_tokens (finish_reason "length") is a failed call, never an answer: a simulated user's

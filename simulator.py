@@ -254,8 +254,11 @@ class Simulator:
     as in SAGE result rows), the policy's replies role "assistant".
     """
 
-    def __init__(self, profile, *, variant="vanilla", start_emotion=TRAIN_START_EMOTION, max_turns=PAPER_MAX_TURNS,
-                 change_bound=CHANGE_BOUND, language=None):
+    def __init__(self, profile, *, variant: str, start_emotion: int, max_turns: int, change_bound: int,
+                 language: str | None):
+        """Every option is required: their defaults are those of the dataclasses the scripts parse (variant,
+        change_bound, language: SimulatorArguments; start_emotion, max_turns: rollout.DialogueArguments, or
+        the benchmark's), so that no simulator keeps a default of its own."""
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         if not 0 <= start_emotion <= MAX_EMOTION:
@@ -393,8 +396,7 @@ def quoted_dialogue(history: list[dict]) -> str:
 class LocalChat:
     """The same chat interface, served by a transformers model in this process (offline LLM path)."""
 
-    def __init__(self, model_name_or_path: str, temperature: float = SIMULATOR_TEMPERATURE,
-                 max_new_tokens: int = SIMULATOR_MAX_TOKENS):
+    def __init__(self, model_name_or_path: str, temperature: float, max_new_tokens: int):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = common.resolve_model(model_name_or_path, "simulator_model")

@@ -54,7 +54,8 @@ def best_of_n(generate, tokenizer, profiles, n: int, args) -> dict:
     per turn, the candidates' scores."""
     policy_messages = generation.policy_messages("en", think=False, name=args.policy_prompt)
     users = [simulator.make_simulator(profile, None, variant=args.variant, start_emotion=args.start_emotion,
-                                      max_turns=args.turns) for profile in profiles]
+                                      max_turns=args.turns, change_bound=simulator.CHANGE_BOUND, language=None)
+             for profile in profiles]
     for user, profile in zip(users, profiles):
         asyncio.run(user.open(profile.first_talk))  # training profiles: the rule user's own first line
     scores_by_turn = []

@@ -21,6 +21,7 @@ from reply_styles import reading_reply, warm_reply  # noqa: E402
 import common  # noqa: E402
 import rule_user  # noqa: E402
 import simulator  # noqa: E402
+from conftest import user_options  # noqa: E402
 
 NEUTRAL = "I see. Can you tell me more about that?"
 FILLERS = ("um", "like", "uh", "you know")
@@ -145,7 +146,7 @@ PROTOCOLS = {  # name: (profile file, start emotion, judged replies)
 
 async def play(profile, strategy, variant: str, start: int, max_turns: int, seed: int = 0) -> int:
     """The final emotion of one whole dialogue whose replies `strategy` writes."""
-    user = simulator.make_simulator(profile, variant=variant, start_emotion=start, max_turns=max_turns)
+    user = simulator.make_simulator(profile, **user_options(variant=variant, start_emotion=start, max_turns=max_turns))
     messages = [await user.open(profile.first_talk)]
     rng = random.Random(f"{seed}-{profile.id}")
     turn = 0

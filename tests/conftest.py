@@ -189,6 +189,15 @@ def ctrl_c_on_rank_1(script: str, run: Path, *flags: str) -> tuple[str, int]:
     return said, last
 
 
+def user_options(**overrides) -> dict:
+    """A simulated user's options (all required by simulator.Simulator), the paper's training dialogue unless
+    overridden: what a test that builds a user by hand passes."""
+    import simulator
+
+    return dict(variant="vanilla", start_emotion=simulator.TRAIN_START_EMOTION, max_turns=simulator.PAPER_MAX_TURNS,
+                change_bound=simulator.CHANGE_BOUND, language=None) | overrides
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a rendezvous or a fake server)."""
     import socket

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 import rule_user  # noqa: E402
 import simulator  # noqa: E402
+from conftest import user_options  # noqa: E402
 
 # One sentence per act, ten of each, so no sentence comes back within a dialogue (the rule user counts a
 # sentence said again, also with other words slotted in, as a repeat). {a} and {b}: the user's words.
@@ -193,7 +194,7 @@ STYLES = ("warm", "stock", "advice", "dismissive", "garbled")
 
 
 async def final_emotion(profile, style: str, variant: str = "vanilla") -> int:
-    sim = rule_user.RuleSimulator(profile, variant=variant)
+    sim = rule_user.RuleSimulator(profile, **user_options(variant=variant))
     user_messages = [await sim.open()]
     for turn in range(sim.max_turns):
         result = await sim.respond(reply_for(style, profile, user_messages, turn))

@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 import simulator  # noqa: E402
+from conftest import user_options  # noqa: E402
 
 NEUTRAL = "I see. Please tell me more about what happened."
 PROBES = {
@@ -44,7 +45,7 @@ class ProbeArguments:
 
 async def first_change(profile, reply: str, chat, **options) -> int | None:
     """The emotion change after `reply`, or None if the simulator failed."""
-    sim = simulator.make_simulator(profile, chat, **options)
+    sim = simulator.make_simulator(profile, chat, **user_options(**options))
     try:
         await sim.open(profile.first_talk or "I had a rough week and I need to talk.")
         return (await sim.respond(reply)).change

@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from conftest import user_options
 from adversarial import NEUTRAL, PROTOCOLS, STRATEGIES, finals, format_table, table
 from search import protocols, search
 
@@ -73,7 +74,7 @@ def test_the_best_policy_a_black_box_search_finds_ends_at_or_below_the_start_and
 
 
 def first_change(profile, reply: str, variant: str) -> int:
-    user = simulator.make_simulator(profile, variant=variant)
+    user = simulator.make_simulator(profile, **user_options(variant=variant))
     asyncio.run(user.open(profile.first_talk))
     return asyncio.run(user.respond(reply)).change
 

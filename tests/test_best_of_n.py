@@ -6,6 +6,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+from conftest import user_options
 from transformers import AutoTokenizer
 
 import simulator
@@ -17,7 +18,7 @@ ANYONE = "I see. Go on."  # could be said to anyone: the rule user takes 5 off f
 
 def fresh_change(profile, reply: str) -> int:
     """The emotion change a fresh benchmark user gives `reply` as the first reply, after its bound."""
-    user = simulator.make_simulator(profile, None, start_emotion=40, max_turns=1)
+    user = simulator.make_simulator(profile, None, **user_options(start_emotion=40, max_turns=1))
     asyncio.run(user.open(profile.first_talk))
     return max(-simulator.CHANGE_BOUND, min(simulator.CHANGE_BOUND, user.score(reply)[0]))
 

@@ -134,7 +134,7 @@ def benchmark_user(profile, changes, messages=None):
     settings = rollout.new_simulator(profile, None, eval_sentient.benchmark_dialogues(eval_sentient.EvalArguments()),
                                      simulator.SimulatorArguments())
     return ScriptedUser(profile, changes, messages, start_emotion=settings.emotion, max_turns=settings.max_turns,
-                        change_bound=settings.change_bound)
+                        change_bound=settings.change_bound, variant=settings.variant, language=None)
 
 
 def play(user, replies=20):

@@ -5,6 +5,7 @@ import asyncio
 from dataclasses import fields
 
 import pytest
+from conftest import user_options
 
 import common
 import rollout
@@ -315,7 +316,7 @@ def test_turn_credit_is_one_flag_of_each_trainer():
 
 def test_the_rule_users_points_are_one_edit_of_its_table(make_profile, monkeypatch):
     async def change_of(reply):
-        user = rule_user.RuleSimulator(make_profile())
+        user = rule_user.RuleSimulator(make_profile(), **user_options())
         await user.open()
         return (await user.respond(reply)).change
 
@@ -362,3 +363,35 @@ def test_by_default_the_reward_is_the_papers_final_emotion_over_100_with_no_form
     options = rollout.DialogueArguments()
     assert rollout.reward(63, format_violations=2, turns=4, format_penalty=options.format_penalty) == 0.63
     assert rollout.DialogueArguments(think=True).format_penalty == 0
+
+
+def test_no_simulated_user_or_transport_keeps_a_default_of_its_own():
+    """A simulator setting's default lives in one dataclass field (SimulatorArguments, or DialogueArguments for the
+    dialogue's start and length): the users and the local transport take every setting as a required argument, and
+    the endpoint's client sends no temperature or token limit it was not given."""
+    import inspect
+
+    def defaults(function) -> dict:
+        return {name: parameter.default for name, parameter in inspect.signature(function).parameters.items()
+                if parameter.default is not inspect.Parameter.empty}
+
+    assert defaults(simulator.Simulator.__init__) == {} and defaults(simulator.LocalChat.__init__) == {}
+    chat = defaults(common.ChatClient.__init__)
+    assert chat["temperature"] is None and chat["max_tokens"] is None
+
+
+@pytest.mark.parametrize("backend", ["rule", "llm", "local"])
+def test_the_dialogue_and_simulator_settings_reach_every_backend(backend, tiny_model_dir):
+    dialogue_args = rollout.DialogueArguments(start_emotion=44, max_turns=3)
+    options = {"rule": [], "llm": ["--simulator_model", "m", "--base_url", "http://127.0.0.1:9/v1"],
+               "local": ["--simulator_model", str(tiny_model_dir)]}[backend]
+    simulator_args = train_grpo.parse_arguments(["--backend", backend, "--variant", "challenging", "--change_bound", "7",
+                                                 "--simulator_temperature", "0.3", "--simulator_max_tokens", "77",
+                                                 *options])[1]
+    chat = simulator.make_chat(simulator_args)
+    user = rollout.new_simulator(simulator.load_profiles(dialogue_args.profiles)[0], chat, dialogue_args, simulator_args)
+    assert (user.emotion, user.max_turns, user.variant, user.change_bound) == (44, 3, "challenging", 7)
+    if backend == "llm":
+        assert (chat.temperature, chat.max_tokens) == (0.3, 77)
+    if backend == "local":
+        assert (chat.temperature, chat.max_new_tokens) == (0.3, 77)

@@ -4,6 +4,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from conftest import user_options
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -41,7 +42,7 @@ def test_an_untrained_local_model_fails_its_dialogue_cleanly(tiny_model_dir, mak
     chat = LocalChat(str(tiny_model_dir), temperature=0, max_new_tokens=6)
 
     async def go():
-        sim = LLMSimulator(make_profile(first_talk="Hi."), chat, parse_attempts=2)
+        sim = LLMSimulator(make_profile(first_talk="Hi."), chat, parse_attempts=2, **user_options())
         await sim.open()
         await sim.respond("It sounds like Dana hurt you.")
 
@@ -56,7 +57,7 @@ def test_a_model_without_chat_template_is_refused(tiny_model_dir, tmp_path):
     tokenizer.save_pretrained(tmp_path)
     (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
     with pytest.raises(SimulatorError, match="no chat template"):
-        LocalChat(str(tmp_path))
+        LocalChat(str(tmp_path), temperature=0, max_new_tokens=6)
 
 
 def test_make_chat_explains_missing_options(monkeypatch):

@@ -3,7 +3,7 @@ import asyncio
 import statistics
 
 import pytest
-from conftest import OWN_WORDS, profile_row
+from conftest import OWN_WORDS, profile_row, user_options
 from reply_styles import STYLES, style_table
 
 import rule_user
@@ -17,7 +17,7 @@ WARM = ("It sounds like Dana skipping your wedding in Lisbon left you so hurt. "
 
 def first_turn(profile, reply, **options):
     async def go():
-        sim = RuleSimulator(profile, **options)
+        sim = RuleSimulator(profile, **user_options(**options))
         await sim.open()
         return await sim.respond(reply)
     return asyncio.run(go())
@@ -25,15 +25,15 @@ def first_turn(profile, reply, **options):
 
 def turns(profile, replies, **options):
     async def go():
-        sim = RuleSimulator(profile, **options)
+        sim = RuleSimulator(profile, **user_options(**options))
         await sim.open()
         return [await sim.respond(reply) for reply in replies]
     return asyncio.run(go())
 
 
 def test_opens_with_the_first_own_words_line_or_first_talk(make_profile):
-    assert asyncio.run(RuleSimulator(make_profile()).open()) == OWN_WORDS[0]
-    assert asyncio.run(RuleSimulator(make_profile(first_talk="Hey.")).open()) == "Hey."
+    assert asyncio.run(RuleSimulator(make_profile(), **user_options()).open()) == OWN_WORDS[0]
+    assert asyncio.run(RuleSimulator(make_profile(first_talk="Hey."), **user_options()).open()) == "Hey."
 
 
 def test_same_replies_give_the_same_dialogue(make_profile):
@@ -166,13 +166,13 @@ def test_dialogue_ends_on_emotion_for_the_rule_backend_too(make_profile):
 def test_chinese_profiles_are_refused_not_scored_with_english_cues():
     profile = simulator.parse_profile(profile_row(task=simulator.INTENTIONS["venting"][1]))
     with pytest.raises(SimulatorError, match="Chinese.*--backend llm"):
-        RuleSimulator(profile)
+        RuleSimulator(profile, **user_options())
 
 
 def test_a_profile_without_own_words_is_a_clear_error():
     profile = simulator.parse_profile(profile_row(scene="## Backstory\nNo lines to speak."))
     with pytest.raises(SimulatorError, match="own words"):
-        RuleSimulator(profile)
+        RuleSimulator(profile, **user_options())
 
 
 def test_on_all_our_profiles_warm_replies_win_and_bad_styles_fall_below_the_start():
@@ -340,7 +340,7 @@ def test_what_one_need_welcomes_hurts_other_needs(make_profile, need):
 
     def second_change(profile_need):
         async def go():
-            sim = RuleSimulator(make_profile(profile_need))
+            sim = RuleSimulator(make_profile(profile_need), **user_options())
             messages = [await sim.open()]
             messages.append((await sim.respond(compose(LISTENING_PLAY, messages, 0))).message)
             return (await sim.respond(compose(PLAYS[need], messages, 1))).change
@@ -357,7 +357,7 @@ def test_a_reply_carrying_every_act_misses_most_people(make_profile):
 
     def second_change(need):
         async def go():
-            sim = RuleSimulator(make_profile(need))
+            sim = RuleSimulator(make_profile(need), **user_options())
             messages = [await sim.open()]
             messages.append((await sim.respond(compose(LISTENING_PLAY, messages, 0))).message)
             return (await sim.respond(" ".join(SENTENCES[act][1].format(a="her concert photos") for act in acts))).change

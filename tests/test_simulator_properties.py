@@ -14,7 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import OWN_WORDS, profile_row, write_jsonl
+from conftest import OWN_WORDS, profile_row, user_options, write_jsonl
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -232,7 +232,7 @@ POINTS_IN_REASONING = re.compile(r"\(([+-]\d+)\)(?=; |$)")
 def play_rule_dialogue(profile, replies, **options):
     """Every turn of a rule-user dialogue (made as the trainers make it: make_simulator with no chat)."""
     async def go():
-        user = simulator.make_simulator(profile, None, **options)
+        user = simulator.make_simulator(profile, None, **user_options(**options))
         await user.open()
         turns = []
         for reply in replies:
@@ -280,11 +280,11 @@ def test_any_rule_dialogue_keeps_its_bounds_and_its_rules(intention, variant, st
 PLAY_IN_ANOTHER_PROCESS = """
 import asyncio, json, sys
 sys.path[:0] = sys.argv[1:3]
-from conftest import profile_row
+from conftest import profile_row, user_options
 import simulator
 
 async def play():
-    user = simulator.make_simulator(simulator.parse_profile(profile_row("venting")), None)
+    user = simulator.make_simulator(simulator.parse_profile(profile_row("venting")), None, **user_options())
     await user.open()
     return [[turn.change, turn.reasoning, turn.message] for turn in
             [await user.respond(reply) for reply in json.loads(sys.argv[3])]]
@@ -406,7 +406,7 @@ class RecordingChat:
 
 async def llm_turns(profile, answers, replies, **options):
     chat = RecordingChat(answers)
-    user = LLMSimulator(profile, chat, **options)
+    user = LLMSimulator(profile, chat, **user_options(**options))
     await user.open()
     turns = []
     for reply in replies:
@@ -467,7 +467,7 @@ def test_an_analysis_that_never_parses_fails_after_exactly_parse_attempts(make_p
     chat = RecordingChat(["no score"] * 2)
 
     async def go():
-        user = LLMSimulator(make_profile(first_talk="Hi."), chat, parse_attempts=2)
+        user = LLMSimulator(make_profile(first_talk="Hi."), chat, parse_attempts=2, **user_options())
         await user.open()
         return await user.respond("a")
 
@@ -497,7 +497,7 @@ def official_analysis(change):
 
 async def official_turns(source, answers, replies, **options):
     chat = RecordingChat(answers)
-    user = simulator.make_simulator(zh_profile(), chat, official.load(source, str(REPO)), **options)
+    user = simulator.make_simulator(zh_profile(), chat, official.load(source, str(REPO)), **user_options(**options))
     await user.open()
     turns = [await user.respond(reply) for reply in replies]
     return user, chat, turns
@@ -542,12 +542,12 @@ def test_an_official_analysis_is_asked_again_up_to_parse_attempts(source):
                                      dict(max_turns=0), dict(variant="strict"), dict(language="fr")])
 def test_options_out_of_range_are_refused(make_profile, options):
     with pytest.raises(ValueError):
-        LLMSimulator(make_profile(), RecordingChat([]), **options)
+        LLMSimulator(make_profile(), RecordingChat([]), **user_options(**options))
 
 
 def test_the_extreme_valid_options_are_accepted(make_profile):
     for options in (dict(start_emotion=0), dict(start_emotion=100), dict(change_bound=1, max_turns=1)):
-        user = LLMSimulator(make_profile(), RecordingChat([]), **options)
+        user = LLMSimulator(make_profile(), RecordingChat([]), **user_options(**options))
         assert (user.emotion, user.change_bound, user.max_turns) == (
             options.get("start_emotion", 30), options.get("change_bound", 10), options.get("max_turns", 8))
 
@@ -559,7 +559,7 @@ def test_the_extreme_valid_options_are_accepted(make_profile):
 ])
 def test_the_opening_is_the_shared_one_then_first_talk_then_the_models(make_profile, opening, first_talk, expected):
     chat = RecordingChat(["Written by the model."])
-    user = LLMSimulator(make_profile(first_talk=first_talk), chat, start_emotion=44)
+    user = LLMSimulator(make_profile(first_talk=first_talk), chat, **user_options(start_emotion=44))
     assert run(user.open(opening)) == expected
     assert user.history == [{"role": "user", "content": expected, "emotion-point": 44}]
     assert len(chat.sent) == (expected == "Written by the model.")
@@ -667,7 +667,7 @@ def test_the_simulators_base_url_flag_beats_the_environment(monkeypatch):
     ("venting", "You need to call Dana tonight.", True),  # to a need that wants no lecture, one is a lecture
 ])
 def test_two_lectures_are_a_lecture_to_any_need_one_only_to_those_that_want_none(make_profile, need, reply, lectured):
-    frictions = rule_user.RuleSimulator(make_profile(need))._frictions(rule_user.normalise(reply))
+    frictions = rule_user.RuleSimulator(make_profile(need), **user_options())._frictions(rule_user.normalise(reply))
     assert any(key == "lecture" for key, _, _ in frictions) == lectured
 
 
@@ -679,7 +679,7 @@ def test_later_listening_counts_as_heard_only_where_the_need_does_not_mind_it(ma
     from reply_styles import LISTENING_PLAY, compose
 
     async def go():
-        user = rule_user.RuleSimulator(make_profile("balanced_analysis", "passive"))
+        user = rule_user.RuleSimulator(make_profile("balanced_analysis", "passive"), **user_options())
         said = [await user.open()]
         said.append((await user.respond(compose(LISTENING_PLAY, said, 0))).message)
         reply = compose(acts, said, 1)
@@ -694,7 +694,7 @@ def test_later_listening_counts_as_heard_only_where_the_need_does_not_mind_it(ma
 ])
 def test_only_questions_takes_two_of_them(make_profile, reply, only_questions):
     async def go():
-        user = rule_user.RuleSimulator(make_profile("venting", "passive"))
+        user = rule_user.RuleSimulator(make_profile("venting", "passive"), **user_options())
         await user.open()
         return user.score(reply)[1]
     assert any(key == "questions" for key, _, _ in asyncio.run(go())) == only_questions
@@ -718,7 +718,7 @@ def test_the_dialogue_quoted_to_the_simulator_keeps_every_script_as_written():
 
 
 def defect_keys(make_profile, reply: str) -> set[str]:
-    user = rule_user.RuleSimulator(make_profile("venting"))
+    user = rule_user.RuleSimulator(make_profile("venting"), **user_options())
     return {key for key, _, _ in user._defects(rule_user.normalise(reply), [], set())}
 
 
