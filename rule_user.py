@@ -43,12 +43,14 @@ profile's own-words lines (`## In <name>'s own words` in the scene), and a reply
 need is followed by a remark that shows it (one of several, per need, never its name), so a policy that
 reads the dialogue can find the need and a need-blind one cannot. Chinese profiles are refused: the rule
 user has no Chinese cues. docs/rule_user.md tells how it was attacked and what an optimiser finds.
+
+This file holds the rules (`RuleUser`) and imports nothing of ours; `simulator.RuleSimulator` puts them on
+the emotion bookkeeping every simulated user shares.
 """
 import re
 import unicodedata
 import zlib
 
-from simulator import FAREWELL_AT, GIVE_UP_BELOW, Simulator, SimulatorError, rule_backend_refusal
 
 # --------------------------------------------------------------------------------------------
 # The tables: what each finding costs or earns (emotion points, before the per-turn bound), the
@@ -467,10 +469,14 @@ def is_fragmented(text: str) -> bool:
             or any(part.count(",") >= commas and part.count(",") * 3 >= len(_words(part)) for part in parts))
 
 
+class MissingOwnWords(ValueError):
+    """A profile without the scene section the rules read the user's story from."""
+
+
 def _own_words(profile) -> list[str]:
     section = re.search(r"^## In [^\n]*own words\n((?:- \".*\"\n?)+)", profile.scene, re.MULTILINE)
     if not section:
-        raise SimulatorError(f"profile {profile.id}: the rule backend needs a scene section "
+        raise MissingOwnWords(f"profile {profile.id}: the rule backend needs a scene section "
                              "`## In <name>'s own words` of lines `- \"...\"` (see profiles/README.md); "
                              "use --backend llm or local for other profiles")
     return re.findall(r'^- "(.*)"$', section.group(1), re.MULTILINE)
@@ -482,13 +488,12 @@ def _pick(options: tuple, seed: str, index: int) -> str:
     return options[(zlib.crc32(seed.encode()) + index) % len(options)]
 
 
-class RuleSimulator(Simulator):
-    """Deterministic offline simulator; see the module docstring for its rules."""
+class RuleUser:
+    """The rules of the module docstring: a user's judgement of each reply and their next message. Mixed into
+    simulator.RuleSimulator, which supplies the dialogue's state (`profile`, `history`, `variant`, `emotion`,
+    `state`, `turns`) and calls `_opening`, `_judge` and `_write_message`."""
 
-    def __init__(self, profile, **options):
-        super().__init__(profile, **options)
-        if self.language != "en":
-            raise SimulatorError(rule_backend_refusal(profile, options.get("language")))
+    def __init__(self, profile):
         self.lines = _own_words(profile)
         # The facts of my story (backstory to the problem now, and my own words), not the sections on how
         # I react or the hidden theme: their words describe replies, not my life.
@@ -673,9 +678,9 @@ class RuleSimulator(Simulator):
         return change, "; ".join(f"{text} ({points:+d})" for _, text, points in reasons)
 
     async def _write_message(self, reply_text: str, reasoning: str, change: int) -> str:
-        if self.emotion >= FAREWELL_AT:
+        if self.state == "S":  # the user leaves content: the dialogue ends
             return FAREWELL_MESSAGE
-        if self.emotion < GIVE_UP_BELOW:
+        if self.state == "F":  # the user gives up: the dialogue ends
             return GIVE_UP_MESSAGE
         parts = []
         if self.variant == "vanilla":

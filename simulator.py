@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import common
 import official
+import rule_user
 
 DEFAULT_PROFILES = common.REPO_DIR / "profiles" / "train.jsonl"
 DEFAULT_BENCHMARK_PROFILES = common.REPO_DIR / "profiles" / "benchmark.jsonl"
@@ -693,14 +694,25 @@ def make_chat(args: SimulatorArguments):
     raise ValueError(f"backend must be one of {BACKENDS}, got {args.backend!r}")
 
 
+class RuleSimulator(rule_user.RuleUser, Simulator):
+    """The offline rule user: rule_user.py's rules on this module's emotion bookkeeping. English only."""
+
+    def __init__(self, profile, **options):
+        Simulator.__init__(self, profile, **options)
+        if self.language != "en":
+            raise SimulatorError(rule_backend_refusal(profile, options.get("language")))
+        try:
+            rule_user.RuleUser.__init__(self, profile)
+        except rule_user.MissingOwnWords as error:
+            raise SimulatorError(str(error)) from None
+
+
 def make_simulator(profile, chat=None, official_prompts=None, empty_user_message: str = "keep",
                    analysis_emotion: str = "current", **options) -> Simulator:
     """A fresh simulator for one dialogue: the rule backend when `chat` is None, else the LLM one, with our
     prompts or, given `official_prompts` (`SimulatorArguments.official`), the released code's, which keep an
     empty user message unless `empty_user_message` is "ask_again", and show the `analysis_emotion`."""
     if chat is None:
-        from rule_user import RuleSimulator  # here, not at the top: rule_user.py builds on this module
-
         return RuleSimulator(profile, **options)
     if official_prompts is not None:
         return OfficialSimulator(profile, chat, official_prompts, empty_user_message=empty_user_message,

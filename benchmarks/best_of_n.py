@@ -1,7 +1,7 @@
 """How far the packaged policy's own samples can get against the rule user: a best-of-n oracle.
 
 At every turn of every dialogue the policy samples n replies to the same context; the rule user scores
-each (`RuleSimulator.score`, without answering), the best is sent (the first among equals) and the dialogue
+each (`RuleUser.score`, without answering), the best is sent (the first among equals) and the dialogue
 goes on from it. n = 1 is the policy as it is; a larger n shows what RL could reach by preferring the
 policy's better samples, the ceiling a CPU demo is judged against (docs/learning.md).
 

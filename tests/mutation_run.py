@@ -61,7 +61,7 @@ TARGETS = [
     ("rollout.py", "keep_rows_before"), ("rollout.py", "check_failures"),
     ("generation.py", "split_think"), ("generation.py", "PrefixCache.reuse"),
     ("simulator.py", "Simulator.respond"), ("simulator.py", "parse_analysis"),
-    ("rule_user.py", "RuleSimulator.score"), ("rule_user.py", "RuleSimulator._worth"),
+    ("rule_user.py", "RuleUser.score"), ("rule_user.py", "RuleUser._worth"),
     ("eval_sentient.py", "summarize"), ("eval_sentient.py", "judged_replies"), ("eval_sentient.py", "bootstrap_interval"),
     ("eval_sentient.py", "group_figures"),
     ("report.py", "conversation"), ("report.py", "dialogue_block"), ("report.py", "filters"),

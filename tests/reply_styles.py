@@ -194,7 +194,7 @@ STYLES = ("warm", "stock", "advice", "dismissive", "garbled")
 
 
 async def final_emotion(profile, style: str, variant: str = "vanilla") -> int:
-    sim = rule_user.RuleSimulator(profile, **user_options(variant=variant))
+    sim = simulator.RuleSimulator(profile, **user_options(variant=variant))
     user_messages = [await sim.open()]
     for turn in range(sim.max_turns):
         result = await sim.respond(reply_for(style, profile, user_messages, turn))

@@ -316,7 +316,7 @@ def test_turn_credit_is_one_flag_of_each_trainer():
 
 def test_the_rule_users_points_are_one_edit_of_its_table(make_profile, monkeypatch):
     async def change_of(reply):
-        user = rule_user.RuleSimulator(make_profile(), **user_options())
+        user = simulator.RuleSimulator(make_profile(), **user_options())
         await user.open()
         return (await user.respond(reply)).change
 

@@ -8,7 +8,7 @@ from reply_styles import STYLES, style_table
 
 import rule_user
 import simulator
-from rule_user import RuleSimulator
+from simulator import RuleSimulator
 from simulator import SimulatorError
 
 WARM = ("It sounds like Dana skipping your wedding in Lisbon left you so hurt. "

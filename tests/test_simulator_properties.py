@@ -667,7 +667,7 @@ def test_the_simulators_base_url_flag_beats_the_environment(monkeypatch):
     ("venting", "You need to call Dana tonight.", True),  # to a need that wants no lecture, one is a lecture
 ])
 def test_two_lectures_are_a_lecture_to_any_need_one_only_to_those_that_want_none(make_profile, need, reply, lectured):
-    frictions = rule_user.RuleSimulator(make_profile(need), **user_options())._frictions(rule_user.normalise(reply))
+    frictions = simulator.RuleSimulator(make_profile(need), **user_options())._frictions(rule_user.normalise(reply))
     assert any(key == "lecture" for key, _, _ in frictions) == lectured
 
 
@@ -679,7 +679,7 @@ def test_later_listening_counts_as_heard_only_where_the_need_does_not_mind_it(ma
     from reply_styles import LISTENING_PLAY, compose
 
     async def go():
-        user = rule_user.RuleSimulator(make_profile("balanced_analysis", "passive"), **user_options())
+        user = simulator.RuleSimulator(make_profile("balanced_analysis", "passive"), **user_options())
         said = [await user.open()]
         said.append((await user.respond(compose(LISTENING_PLAY, said, 0))).message)
         reply = compose(acts, said, 1)
@@ -694,7 +694,7 @@ def test_later_listening_counts_as_heard_only_where_the_need_does_not_mind_it(ma
 ])
 def test_only_questions_takes_two_of_them(make_profile, reply, only_questions):
     async def go():
-        user = rule_user.RuleSimulator(make_profile("venting", "passive"), **user_options())
+        user = simulator.RuleSimulator(make_profile("venting", "passive"), **user_options())
         await user.open()
         return user.score(reply)[1]
     assert any(key == "questions" for key, _, _ in asyncio.run(go())) == only_questions
@@ -718,7 +718,7 @@ def test_the_dialogue_quoted_to_the_simulator_keeps_every_script_as_written():
 
 
 def defect_keys(make_profile, reply: str) -> set[str]:
-    user = rule_user.RuleSimulator(make_profile("venting"), **user_options())
+    user = simulator.RuleSimulator(make_profile("venting"), **user_options())
     return {key for key, _, _ in user._defects(rule_user.normalise(reply), [], set())}
 
 
