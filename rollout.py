@@ -85,6 +85,9 @@ class DialogueArguments:
     max_dialogue_tokens: int = field(default=1024, metadata={"help": "prompt + completion tokens per dialogue"})
     format_penalty: float = field(default=0.0, metadata={
         "help": "x the share of a dialogue's turns that violated the think format, subtracted from its reward"})
+    turn_credit: bool = field(default=False, metadata={
+        "help": "credit each policy turn with the emotion change it caused (GRPO: a term of its tokens' advantage, "
+                "train_grpo.TurnCreditArguments; PPO: its reward); paper: the final emotion only"})
     policy_prompt: str = field(default="policy", metadata={
         "help": "the policy's system prompt: prompts/<language>/<name>[_think].txt"})
     prefix_cache: bool = field(default=True, metadata={
@@ -330,16 +333,16 @@ class DialogueRunner:
         return dialogues
 
     async def _lockstep(self, dialogues: list[Dialogue], generate, gate: asyncio.Semaphore) -> None:
-        c = self.args
-        for _ in range(c.max_turns):  # a fixed number of generate calls: ranks stay in lockstep
+        think = self.args.think
+        for _ in range(self.args.max_turns):  # a fixed number of generate calls: ranks stay in lockstep
             active = [d for d in dialogues if not d.done]
             for dialogue in active:
                 self._begin_turn(dialogue)
-            if c.think:
+            if think:
                 thoughts_closed = self._sample(active, generate, phase="think")
             replies = self._sample(active, generate, phase="reply")
             for index, dialogue in enumerate(active):
-                self._read_turn(dialogue, thoughts_closed[index] if c.think else True, replies[index])
+                self._read_turn(dialogue, thoughts_closed[index] if think else True, replies[index])
             await asyncio.gather(*(self._answer(d, gate) for d in active))
 
     async def _play(self, dialogue: Dialogue, sample, gate: asyncio.Semaphore, finished=lambda: None) -> None:
@@ -378,13 +381,12 @@ class DialogueRunner:
 
     def _open_phase(self, dialogue: Dialogue, phase: str) -> int:
         """Start a phase of the dialogue's turn (a think phase inserts <think>); its token budget."""
-        c, segments = self.args, self.segments
         if phase == "think":
-            dialogue.append(segments.think_open, sampled=False)
-        room = c.max_dialogue_tokens - len(dialogue.context())
+            dialogue.append(self.segments.think_open, sampled=False)
+        room = self.args.max_dialogue_tokens - len(dialogue.context())
         if phase == "think":
-            return min(c.max_think_tokens, room - len(segments.think_close) - MIN_REPLY_TOKENS)
-        return min(c.max_reply_tokens, room)
+            return min(self.args.max_think_tokens, room - len(self.segments.think_close) - MIN_REPLY_TOKENS)
+        return min(self.args.max_reply_tokens, room)
 
     def _take(self, dialogue: Dialogue, phase: str, ids: list[int], logprobs):
         """Append a phase's sampled ids. Think phase: cut at </think>, force-close if needed; returns whether

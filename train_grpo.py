@@ -117,11 +117,10 @@ DEMO_DEFAULTS = dict(
 
 @dataclass
 class TurnCreditArguments:
-    """Turn-level credit from the simulated user's per-turn emotion changes (off by default: the paper
-    rewards the final emotion only). See `turn_terms` for what each option does."""
+    """How turn-level credit (`--turn_credit`, rollout.DialogueArguments; off by default: the paper rewards the
+    final emotion only) adds each policy turn's centred emotion change to the advantage of that turn's tokens.
+    See `turn_terms` for what each option does."""
 
-    turn_credit: bool = field(default=False, metadata={
-        "help": "add each policy turn's centred emotion change to the advantage of that turn's tokens"})
     # Half the weight of the outcome term: the final emotion (the paper's reward, and what the benchmark
     # scores) stays the larger part of a token's advantage, and a turn that moved the user more than its
     # group's turns did at that point gets extra credit on top.
@@ -164,7 +163,7 @@ def parse_arguments(argv: list[str] | None = None):
                              beta=common.NOT_NEGATIVE, seed=common.SEED,
                              data_seed=(lambda value: value is None or common.SEED[0](value), common.SEED[1]))
         common.check_options(model_args)
-        check_turn_credit(credit_args, training_args)
+        check_turn_credit(dialogue_args, credit_args, training_args)
     except common.ArgumentError as error:
         parser.error(str(error))
     if str(training_args.resume_from_checkpoint).lower() in ("false", "none"):  # a path to transformers
@@ -172,14 +171,14 @@ def parse_arguments(argv: list[str] | None = None):
     return dialogue_args, simulator_args, credit_args, training_args, model_args
 
 
-def check_turn_credit(credit_args: TurnCreditArguments, training_args: GRPOConfig) -> None:
+def check_turn_credit(dialogue_args, credit_args: TurnCreditArguments, training_args: GRPOConfig) -> None:
     """Refuse the GRPOConfig options whose meaning turn credit would silently change. TRL writes them for one
     advantage per dialogue; with turn credit the advantages are (rows, tokens), which TRL's loss takes as they are
     (`DialogueGRPOTrainer`). Unchanged by that, so allowed: the token-level losses (dapo, grpo, bnpo, dr_grpo,
     cispo, sapo, luspo at importance_sampling_level token), every vllm_importance_sampling_mode (its ratio comes
     from the sampled tokens alone, sequence_* modes weigh all a dialogue's tokens alike whatever their advantages),
     top_entropy_quantile, beta and delta (per token), scale_rewards group or batch (both terms in stds)."""
-    if not credit_args.turn_credit:
+    if not dialogue_args.turn_credit:
         return
     if training_args.importance_sampling_level == "sequence":
         raise common.ArgumentError(
@@ -427,24 +426,25 @@ class DialogueGRPOTrainer(GRPOTrainer):
       (all ranks) whose vLLM importance ratio was clipped or zeroed. TRL logs only the ratio's min, mean and
       max, which cannot tell one clipped token from half the batch."""
 
-    def __init__(self, *args, turn_credit: TurnCreditArguments, change_bound: int, **kwargs):
+    def __init__(self, *args, credit: TurnCreditArguments | None, change_bound: int, **kwargs):
+        """`credit`: how turn credit is given, or None without --turn_credit."""
         super().__init__(*args, **kwargs)
-        self.turn_credit, self.change_bound = turn_credit, change_bound
+        self.credit, self.change_bound = credit, change_bound
 
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)
-        if self.turn_credit.turn_credit:
+        if self.credit is not None:
             # TRL has merged the rollout's per-row fields into `inputs`; groups may span ranks, as for the
             # outcome, so the terms are computed over every rank's rows and this rank's are taken.
             rows = gather_object([(row["turn_changes"], row["failed"]) for row in inputs])
             terms = turn_terms([changes for changes, _ in rows], [lost for _, lost in rows], self.num_generations,
-                               self.turn_credit.turn_credit_baseline, self.turn_credit.turn_credit_scale,
+                               self.credit.turn_credit_baseline, self.credit.turn_credit_scale,
                                self.change_bound)
             first = self.accelerator.process_index * len(inputs)
             batch["advantages"] = token_advantages(batch["advantages"], terms[first:first + len(inputs)],
                                                    [row["sampled_turn"] for row in inputs],
-                                                   batch["completion_ids"].shape[1], self.turn_credit.turn_credit_coef)
-            weighted = [self.turn_credit.turn_credit_coef * abs(term) for row_terms in terms for term in row_terms]
+                                                   batch["completion_ids"].shape[1], self.credit.turn_credit_coef)
+            weighted = [self.credit.turn_credit_coef * abs(term) for row_terms in terms for term in row_terms]
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["turn_credit/mean_abs_term"].append(sum(weighted) / max(len(weighted), 1))
         if "importance_sampling_ratio" in batch:  # use_vllm with the correction on
@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         rollout_func=rollout_func,
-        turn_credit=credit_args,
+        credit=credit_args if dialogue_args.turn_credit else None,
         change_bound=simulator_args.change_bound,
     )
     stop_on_ctrl_c = StopOnCtrlC()

@@ -169,9 +169,6 @@ class PPOArguments:
     vllm_server_port: int = 8000
     per_turn_rows: bool = field(default=False, metadata={
         "help": "the paper's layout: each policy turn its own row, earlier thoughts dropped from its context"})
-    turn_credit: bool = field(default=False, metadata={
-        "help": "reward each policy turn with its emotion change / 100 on its last token "
-                "(paper: the final emotion once)"})
 
     def __post_init__(self):
         if self.micro_batch_size is None:
@@ -695,7 +692,7 @@ def main(argv=None) -> None:
                                             dialogue_args.format_penalty)
                              for d in scored]
             rows = [row for dialogue, final_reward in zip(scored, final_rewards)
-                    for row in dialogue_rows(dialogue, turn_rewards(dialogue, final_reward, args.turn_credit),
+                    for row in dialogue_rows(dialogue, turn_rewards(dialogue, final_reward, dialogue_args.turn_credit),
                                              args.per_turn_rows)]
             batch = pad_batch(rows, pad_id, accelerator.device)
 

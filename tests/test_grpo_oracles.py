@@ -38,8 +38,8 @@ def test_each_flag_lands_in_its_own_field():
     assert (model_args.lora_r, model_args.lora_alpha, model_args.use_peft) == (4, 12, True)
     assert (dialogue_args.max_turns, dialogue_args.format_penalty, dialogue_args.start_emotion) == (5, 0.3, 40)
     assert simulator_args.change_bound == 8
-    assert credit_args == train_grpo.TurnCreditArguments(turn_credit=True, turn_credit_coef=0.25,
-                                                         turn_credit_baseline="group", turn_credit_scale="bound")
+    assert dialogue_args.turn_credit and credit_args == train_grpo.TurnCreditArguments(
+        turn_credit_coef=0.25, turn_credit_baseline="group", turn_credit_scale="bound")
 
 
 def test_without_flags_every_demo_default_is_in_force():
@@ -180,14 +180,14 @@ RANK_ROWS = [
 ]
 
 
-def trainer_on_rank_one(credit: train_grpo.TurnCreditArguments, monkeypatch, parent_batch: dict):
+def trainer_on_rank_one(credit: train_grpo.TurnCreditArguments | None, monkeypatch, parent_batch: dict):
     """A DialogueGRPOTrainer on the second of two ranks, without TRL's set-up: TRL's own batch is `parent_batch`,
     and the rows gathered from every rank are RANK_ROWS."""
     monkeypatch.setattr(train_grpo.GRPOTrainer, "_generate_and_score_completions", lambda self, inputs: parent_batch)
     monkeypatch.setattr(train_grpo, "gather_object", lambda mine: [(row["turn_changes"], row["failed"])
                                                                    for row in RANK_ROWS[:3]] + mine)
     trainer = object.__new__(train_grpo.DialogueGRPOTrainer)
-    trainer.turn_credit, trainer.change_bound, trainer.num_generations = credit, 8, 2
+    trainer.credit, trainer.change_bound, trainer.num_generations = credit, 8, 2
     trainer.accelerator = SimpleNamespace(process_index=1, gather=lambda counts: counts)
     trainer.model = SimpleNamespace(training=True)
     trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
@@ -196,7 +196,7 @@ def trainer_on_rank_one(credit: train_grpo.TurnCreditArguments, monkeypatch, par
 
 @pytest.mark.parametrize("baseline, scale", [("group", "std"), ("turn", "bound")])
 def test_a_ranks_rows_get_their_own_turn_terms_computed_over_every_ranks_groups(monkeypatch, baseline, scale):
-    credit = train_grpo.TurnCreditArguments(turn_credit=True, turn_credit_coef=0.3, turn_credit_baseline=baseline,
+    credit = train_grpo.TurnCreditArguments(turn_credit_coef=0.3, turn_credit_baseline=baseline,
                                             turn_credit_scale=scale)
     outcome = torch.tensor([0.5, -1.0, 0.25])
     trainer = trainer_on_rank_one(credit, monkeypatch, {"advantages": outcome, "completion_ids": torch.zeros(3, 7)})
@@ -213,7 +213,7 @@ def test_a_ranks_rows_get_their_own_turn_terms_computed_over_every_ranks_groups(
 
 def test_without_turn_credit_trls_batch_is_left_as_it_is(monkeypatch):
     batch = {"advantages": torch.tensor([0.5, -1.0, 0.25]), "completion_ids": torch.zeros(3, 7)}
-    trainer = trainer_on_rank_one(train_grpo.TurnCreditArguments(), monkeypatch, dict(batch))
+    trainer = trainer_on_rank_one(None, monkeypatch, dict(batch))  # no --turn_credit
     got = trainer._generate_and_score_completions(RANK_ROWS[3:])
     assert got["advantages"] is batch["advantages"] and not trainer._metrics["train"]
 
@@ -225,7 +225,7 @@ def test_the_clipped_share_counts_only_the_policys_trained_tokens(monkeypatch):
              "importance_sampling_ratio": torch.tensor([[2.0, 0.5, 1.0], [2.0, 1.2, 0.5]]),
              "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
              "tool_mask": torch.tensor([[1, 0, 1], [1, 1, 1]])}
-    trainer = trainer_on_rank_one(train_grpo.TurnCreditArguments(), monkeypatch, batch)
+    trainer = trainer_on_rank_one(None, monkeypatch, batch)
     trainer.args = SimpleNamespace(vllm_importance_sampling_mode="token_truncate",
                                    vllm_importance_sampling_clip_max=2.0, vllm_importance_sampling_clip_min=0.5)
     trainer._generate_and_score_completions(RANK_ROWS[3:5])

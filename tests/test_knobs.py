@@ -306,12 +306,15 @@ def check_official_prompts(parse, tokenizer, tmp_path):
 # Reward knobs beyond format_penalty: turn credit (flags), the rule user's table (one edit)
 # --------------------------------------------------------------------------------------------
 
-def test_turn_credit_is_one_flag_of_each_trainer():
+def check_turn_credit(parse, tokenizer, tmp_path):
+    """One field, `DialogueArguments.turn_credit`, for both trainers (tests/test_turn_credit.py: what it does)."""
+    assert parse(["--turn_credit"])[0].turn_credit and not parse([])[0].turn_credit
+
+
+def test_grpos_turn_credit_options_are_flags():
     credit = train_grpo.parse_arguments(["--turn_credit", "--turn_credit_coef", "0.3", "--turn_credit_baseline",
                                          "group", "--turn_credit_scale", "bound"])[2]
-    assert (credit.turn_credit, credit.turn_credit_coef, credit.turn_credit_baseline,
-            credit.turn_credit_scale) == (True, 0.3, "group", "bound")
-    assert train_ppo.parse_arguments(["--turn_credit"])[0].turn_credit
+    assert (credit.turn_credit_coef, credit.turn_credit_baseline, credit.turn_credit_scale) == (0.3, "group", "bound")
 
 
 def test_the_rule_users_points_are_one_edit_of_its_table(make_profile, monkeypatch):

@@ -233,10 +233,11 @@ def test_a_recipe_leaves_turn_credit_off_and_its_commented_block_turns_it_on(rec
     uncommented = tmp_path / recipe.name
     uncommented.write_text("\n".join(line[2:] if line in block else line for line in lines) + "\n")
     if recipe in GRPO_RECIPES:
-        written, tried = (grpo_arguments(path)[2] for path in (recipe, uncommented))
-        assert (tried.turn_credit_coef, tried.turn_credit_baseline, tried.turn_credit_scale) == (0.5, "turn", "std")
+        credit = grpo_arguments(uncommented)[2]
+        assert (credit.turn_credit_coef, credit.turn_credit_baseline, credit.turn_credit_scale) == (0.5, "turn", "std")
+        written, tried = (grpo_arguments(path)[0] for path in (recipe, uncommented))
     else:
-        written, tried = (train_ppo.parse_arguments(["--config", str(path)])[0] for path in (recipe, uncommented))
+        written, tried = (train_ppo.parse_arguments(["--config", str(path)])[1] for path in (recipe, uncommented))
     assert written.turn_credit is False and tried.turn_credit is True
 
 

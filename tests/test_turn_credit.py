@@ -209,8 +209,8 @@ def test_grpo_with_turn_credit_gives_turns_a_term_from_the_simulators_changes(ti
 
 
 def test_turn_credit_options_are_checked_and_off_by_default():
-    _, _, credit_args, _, _ = train_grpo.parse_arguments([])
-    assert credit_args.turn_credit is False and train_ppo.PPOArguments().turn_credit is False
+    dialogue_args = train_grpo.parse_arguments([])[0]
+    assert dialogue_args.turn_credit is False and train_ppo.parse_arguments([])[1].turn_credit is False
     with pytest.raises(SystemExit):
         train_grpo.parse_arguments(["--turn_credit_coef", "-1"])
     with pytest.raises(SystemExit):
@@ -241,4 +241,4 @@ def test_turn_credit_keeps_the_trl_options_that_mean_the_same_for_token_advantag
     for flags in (["--scale_rewards", "none", "--turn_credit_scale", "bound"], ["--scale_rewards", "batch"],
                   ["--use_vllm", "--vllm_importance_sampling_mode", "sequence_mask"], ["--loss_type", "sapo"],
                   ["--loss_type", "cispo"], ["--loss_type", "luspo"], ["--top_entropy_quantile", "0.2"]):
-        assert train_grpo.parse_arguments(["--turn_credit", *flags])[2].turn_credit, flags
+        assert train_grpo.parse_arguments(["--turn_credit", *flags])[0].turn_credit, flags
