@@ -187,7 +187,7 @@ class Dialogue:
     completion_ids: list[int] = field(default_factory=list)
     env_mask: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
-    sampled_turns: list[list[int]] = field(default_factory=list)  # the ids the policy sampled, per turn
+    turn_ids: list[list[int]] = field(default_factory=list)  # the ids the policy sampled, per turn
     thought_ids: list[list[int]] = field(default_factory=list)  # the sampled thinking part of each turn
     turn_starts: list[int] = field(default_factory=list)  # where each policy turn begins in completion_ids
     think_texts: list[str] = field(default_factory=list)
@@ -216,7 +216,7 @@ class Dialogue:
         before = [self.simulator.start_emotion] + self.emotions[:-1]
         return [after - prior for after, prior in zip(self.emotions, before)]
 
-    def sampled_turn(self) -> list[int]:
+    def token_turns(self) -> list[int]:
         """For each completion token, the index of the policy turn that sampled it; -1 for inserted tokens
         (user turns, template tokens, a forced </think>)."""
         ends = self.turn_starts[1:] + [len(self.completion_ids)]
@@ -368,7 +368,7 @@ class DialogueRunner:
 
     @staticmethod
     def _begin_turn(dialogue: Dialogue) -> None:
-        dialogue.sampled_turns.append([])
+        dialogue.turn_ids.append([])
         dialogue.thought_ids.append([])
         dialogue.turn_starts.append(len(dialogue.completion_ids))
 
@@ -395,7 +395,7 @@ class DialogueRunner:
             ids, closed = self._cut_thought(ids)
             logprobs = logprobs[:len(ids)] if logprobs else None
         dialogue.append(ids, sampled=True, logprobs=logprobs)
-        dialogue.sampled_turns[-1] += ids
+        dialogue.turn_ids[-1] += ids
         if phase == "reply":
             return ids
         dialogue.thought_ids[-1] = ids
@@ -576,7 +576,7 @@ def dialogue_record(dialogue: Dialogue) -> dict:
         "simulator_seconds": dialogue.simulator_seconds,
         "emotions": dialogue.emotions,
         "turn_changes": dialogue.turn_changes,  # for --turn_credit
-        "sampled_turn": dialogue.sampled_turn(),  # for --turn_credit (train_grpo.py)
+        "token_turns": dialogue.token_turns(),  # for --turn_credit (train_grpo.py)
         "failed": dialogue.failure is not None,
         "simulator_calls": asdict(dialogue.simulator.calls),
     }

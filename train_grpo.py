@@ -367,13 +367,13 @@ def turn_terms(turn_changes: list[list[int]], failed: list[bool], group_size: in
     return terms
 
 
-def token_advantages(outcome: torch.Tensor, terms: list[list[float]], sampled_turn: list[list[int]], width: int,
+def token_advantages(outcome: torch.Tensor, terms: list[list[float]], token_turns: list[list[int]], width: int,
                      coef: float) -> torch.Tensor:
     """(rows, width) advantages: each row's outcome advantage on every token, plus coef x its turn's term on
-    the tokens that turn sampled (`sampled_turn`: a token's turn, -1 where inserted; the loss masks those and
+    the tokens that turn sampled (`token_turns`: a token's turn, -1 where inserted; the loss masks those and
     the padding anyway, but they get no turn term)."""
     per_token = torch.zeros(len(terms), width, dtype=torch.float64)
-    for row, (row_terms, turn_of) in enumerate(zip(terms, sampled_turn)):
+    for row, (row_terms, turn_of) in enumerate(zip(terms, token_turns)):
         lookup = torch.tensor(row_terms + [0.0], dtype=torch.float64)  # index -1: inserted tokens
         per_token[row, :len(turn_of)] = lookup[torch.tensor(turn_of, dtype=torch.long)]
     return outcome.unsqueeze(1) + (coef * per_token).to(outcome.dtype).to(outcome.device)
@@ -442,7 +442,7 @@ class DialogueGRPOTrainer(GRPOTrainer):
                                self.change_bound)
             first = self.accelerator.process_index * len(inputs)
             batch["advantages"] = token_advantages(batch["advantages"], terms[first:first + len(inputs)],
-                                                   [row["sampled_turn"] for row in inputs],
+                                                   [row["token_turns"] for row in inputs],
                                                    batch["completion_ids"].shape[1], self.credit.turn_credit_coef)
             weighted = [self.credit.turn_credit_coef * abs(term) for row_terms in terms for term in row_terms]
             mode = "train" if self.model.training else "eval"

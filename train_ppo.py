@@ -290,7 +290,7 @@ def per_turn_rows(dialogue) -> list[tuple[list[int], list[int]]]:
         sampled_end = start + max(i for i, keep in enumerate(mask) if keep) + 1  # after this turn's reply
         turn_ids, turn_mask = dialogue.completion_ids[start:sampled_end], dialogue.env_mask[start:sampled_end]
         rows.append((context + turn_ids, [0] * len(context) + turn_mask))
-        reply = dialogue.sampled_turns[turn][len(dialogue.thought_ids[turn]):]
+        reply = dialogue.turn_ids[turn][len(dialogue.thought_ids[turn]):]
         context = context + reply + dialogue.completion_ids[sampled_end:end]  # reply, then the user's next turn
     return rows
 
@@ -315,7 +315,7 @@ def dialogue_rows(dialogue, rewards: list[float], per_turn: bool) -> list[tuple[
                 for turn, (ids, mask) in enumerate(per_turn_rows(dialogue))]
     ids, mask = dialogue_row(dialogue)
     last_token = {turn: len(dialogue.prompt_ids) + position  # the dict keeps each turn's last position
-                  for position, turn in enumerate(dialogue.sampled_turn()) if turn >= 0}
+                  for position, turn in enumerate(dialogue.token_turns()) if turn >= 0}
     return [(ids, mask, {last_token[turn]: reward for turn, reward in enumerate(rewards)})]
 
 
@@ -407,14 +407,15 @@ def old_logprobs_and_values(model, batch: dict, order: list[int], temperature: f
     old_logprobs, old_values = torch.zeros_like(batch["action_mask"]), torch.zeros_like(batch["action_mask"])
     if not micro_batches:  # a rank without rows: its first pass, like every rank's, is a collective under DDP
         return old_logprobs, old_values, forward(model, placeholder_rows(batch), temperature)
-    first = forward(model, select_rows(batch, micro_batches[0]), temperature)
-    old_logprobs[micro_batches[0]], old_values[micro_batches[0]] = first[0].detach(), first[2].detach()
+    untrained_forward = forward(model, select_rows(batch, micro_batches[0]), temperature)
+    old_logprobs[micro_batches[0]], old_values[micro_batches[0]] = (untrained_forward[0].detach(),
+                                                                    untrained_forward[2].detach())
     scorer = extract_model_from_parallel(model)  # keeps accelerate's autocast, if any
     with torch.no_grad():
         for rows in micro_batches[1:]:
             old_logprobs[rows], _, old_values[rows] = forward(scorer, select_rows(batch, rows), temperature,
                                                               with_entropy=False)
-    return old_logprobs, old_values * batch["action_mask"], first
+    return old_logprobs, old_values * batch["action_mask"], untrained_forward
 
 
 def place_rewards(action_mask, rewards_at: list[dict], logprobs=None, ref_logprobs=None, kl_coef: float = 0.0):
@@ -514,11 +515,11 @@ def placeholder_rows(minibatch: dict) -> dict:
     return rows
 
 
-def ppo_update(accelerator, model, optimizer, minibatch: dict, args: PPOArguments, first_outputs=None) -> dict:
+def ppo_update(accelerator, model, optimizer, minibatch: dict, args: PPOArguments, untrained_forward=None) -> dict:
     """One optimizer step for both networks on a minibatch, its rows in micro-batches of micro_batch_size
     (gradient accumulation); returns the minibatch's stats. Each micro-batch's losses are sums over its
     actions divided by the minibatch's number of actions, so the accumulated gradient is that of the
-    minibatch's token-mean losses. `first_outputs`: the first micro-batch's forward pass, if made
+    minibatch's token-mean losses. `untrained_forward`: the first micro-batch's forward pass, if made
     already (old_logprobs_and_values).
 
     With several processes the minibatch is every rank's rows: the count divided by is the actions of
@@ -549,8 +550,8 @@ def ppo_update(accelerator, model, optimizer, minibatch: dict, args: PPOArgument
         micro_batch = {key: value[start:start + args.micro_batch_size] for key, value in minibatch.items()}
         if start >= rows:
             micro_batch = placeholder_rows(minibatch)
-        reused = start == 0 and first_outputs is not None
-        outputs = first_outputs if reused else forward(model, micro_batch, args.temperature)
+        outputs = untrained_forward if start == 0 and untrained_forward is not None \
+            else forward(model, micro_batch, args.temperature)
         policy_loss, value_loss, micro_stats = ppo_losses(*outputs, micro_batch, args, action_count)
         accelerator.sync_gradients = index == micro_batches - 1
         accelerator.backward(policy_loss + value_loss, **({"scale_wrt_gas": False} if deepspeed else {}))
@@ -698,9 +699,9 @@ def main(argv=None) -> None:
 
             # 2. Old log-probs (policy) and values (critic) at every action. Each epoch's shuffle of the rows
             #    is drawn first: the first micro-batch of the first epoch is scored with graphs and trained on
-            #    as it is (nothing has changed yet), so its forward pass is made once (first_pass).
+            #    as it is (nothing has changed yet), so its forward pass is made once (untrained_forward).
             epoch_orders = [torch.randperm(len(rows)).tolist() for _ in range(args.ppo_epochs)]
-            old_logprobs, old_values, first_pass = old_logprobs_and_values(
+            old_logprobs, old_values, untrained_forward = old_logprobs_and_values(
                 model, batch, epoch_orders[0], args.temperature, args.micro_batch_size)
             ref_logprobs = reference_logprobs(reference, batch, args.temperature)
 
@@ -715,7 +716,7 @@ def main(argv=None) -> None:
                          advantages=whiten(advantages, batch["action_mask"]))
 
             # 5. PPO epochs over shuffled minibatches of rows, one optimizer step per minibatch.
-            stats = ppo_epochs(accelerator, model, optimizer, batch, epoch_orders, first_pass, args)
+            stats = ppo_epochs(accelerator, model, optimizer, batch, epoch_orders, untrained_forward, args)
 
             # Logging, transcripts, checkpoints. The metrics are the step's: every rank's dialogues.
             columns, every_reward = step_dialogues(dialogues, final_rewards, accelerator)
@@ -908,10 +909,10 @@ def reference_logprobs(reference, batch: dict, temperature: float):
                               temperature)[0]
 
 
-def ppo_epochs(accelerator, model, optimizer, batch: dict, epoch_orders: list[list[int]], first_pass,
+def ppo_epochs(accelerator, model, optimizer, batch: dict, epoch_orders: list[list[int]], untrained_forward,
                args: PPOArguments) -> list[dict]:
     """Each epoch's minibatches in that epoch's order, one ppo_update each; the very first micro-batch
-    reuses `first_pass`, its forward pass made while scoring the old log-probs. Returns their stats.
+    reuses `untrained_forward`, its forward pass made while scoring the old log-probs. Returns their stats.
 
     Every rank makes as many optimizer steps as the rank with the most rows needs (minibatches of at
     most minibatch_size rows); each rank shares its micro-batches of micro_batch_size rows out over
@@ -927,8 +928,8 @@ def ppo_epochs(accelerator, model, optimizer, batch: dict, epoch_orders: list[li
             shared = micro_batches[-(-len(micro_batches) * index // minibatches):  # the larger shares first
                                    -(-len(micro_batches) * (index + 1) // minibatches)]
             minibatch = select_rows(batch, [row for micro_batch in shared for row in micro_batch])
-            reused = first_pass if epoch == 0 and index == 0 else None
-            stats.append(ppo_update(accelerator, model, optimizer, minibatch, args, reused))
+            stats.append(ppo_update(accelerator, model, optimizer, minibatch, args,
+                                    untrained_forward if epoch == 0 and index == 0 else None))
     return stats
 
 

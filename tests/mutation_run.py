@@ -55,7 +55,7 @@ TARGETS = [
     ("train_ppo.py", "dialogue_rows"), ("train_ppo.py", "state_values"), ("train_ppo.py", "ppo_epochs"),
     ("train_ppo.py", "value_metrics"),
     ("train_grpo.py", "turn_terms"), ("train_grpo.py", "token_advantages"),
-    ("rollout.py", "Dialogue.turn_changes"), ("rollout.py", "Dialogue.sampled_turn"), ("rollout.py", "reward"),
+    ("rollout.py", "Dialogue.turn_changes"), ("rollout.py", "Dialogue.token_turns"), ("rollout.py", "reward"),
     ("rollout.py", "dialogue_metrics"), ("rollout.py", "Dialogue.append"), ("rollout.py", "DialogueRunner._sample"),
     ("rollout.py", "DialogueRunner._cut_thought"), ("rollout.py", "DialogueRunner._read_turn"),
     ("rollout.py", "keep_rows_before"), ("rollout.py", "check_failures"),

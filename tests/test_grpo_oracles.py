@@ -158,25 +158,25 @@ def test_turn_terms_centre_each_change_on_its_pool_within_its_group(dialogues, b
 def test_token_advantages_are_the_outcome_plus_coef_times_the_turn_term_of_each_sampled_token(data):
     rows, width = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 12))
     outcome = [data.draw(st.floats(-2, 2, width=32)) for _ in range(rows)]
-    sampled_turn, terms = [], []
+    token_turns, terms = [], []
     for _ in range(rows):
         turns = data.draw(st.integers(1, 3))
         terms.append([data.draw(st.floats(-2, 2)) for _ in range(turns)])
-        sampled_turn.append(data.draw(st.lists(st.integers(-1, turns - 1), max_size=width)))  # then padding
-    advantages = train_grpo.token_advantages(torch.tensor(outcome), terms, sampled_turn, width, coef=0.3)
+        token_turns.append(data.draw(st.lists(st.integers(-1, turns - 1), max_size=width)))  # then padding
+    advantages = train_grpo.token_advantages(torch.tensor(outcome), terms, token_turns, width, coef=0.3)
     expected = [[outcome[row] + (0.3 * terms[row][turn_of[t]] if t < len(turn_of) and turn_of[t] >= 0 else 0.0)
-                 for t in range(width)] for row, turn_of in enumerate(sampled_turn)]
+                 for t in range(width)] for row, turn_of in enumerate(token_turns)]
     assert advantages.tolist() == [pytest.approx(row, abs=1e-5) for row in expected]
 
 
 # Two ranks of three rows each, groups of two: rows 2 and 3 form a group that spans the ranks.
 RANK_ROWS = [
-    dict(turn_changes=[5, 10], failed=False, sampled_turn=[0, 0, -1, 1]),
-    dict(turn_changes=[-5], failed=False, sampled_turn=[0, 0, 0]),
-    dict(turn_changes=[10, 0, 5], failed=False, sampled_turn=[0, -1, 1, -1, 2]),  # rank 0 ends here
-    dict(turn_changes=[0, 10], failed=False, sampled_turn=[0, 0, -1, -1, 1, 1]),
-    dict(turn_changes=[3], failed=True, sampled_turn=[0, 0]),
-    dict(turn_changes=[-10, 5], failed=False, sampled_turn=[0, -1, 1]),
+    dict(turn_changes=[5, 10], failed=False, token_turns=[0, 0, -1, 1]),
+    dict(turn_changes=[-5], failed=False, token_turns=[0, 0, 0]),
+    dict(turn_changes=[10, 0, 5], failed=False, token_turns=[0, -1, 1, -1, 2]),  # rank 0 ends here
+    dict(turn_changes=[0, 10], failed=False, token_turns=[0, 0, -1, -1, 1, 1]),
+    dict(turn_changes=[3], failed=True, token_turns=[0, 0]),
+    dict(turn_changes=[-10, 5], failed=False, token_turns=[0, -1, 1]),
 ]
 
 
@@ -203,8 +203,8 @@ def test_a_ranks_rows_get_their_own_turn_terms_computed_over_every_ranks_groups(
     batch = trainer._generate_and_score_completions(RANK_ROWS[3:])
     terms = turn_terms_by_hand([row["turn_changes"] for row in RANK_ROWS], [row["failed"] for row in RANK_ROWS],
                                2, baseline, scale, 8)
-    expected = [[outcome[index].item() + (0.3 * terms[3 + index][turn] if t < len(row["sampled_turn"]) and
-                                          (turn := row["sampled_turn"][t]) >= 0 else 0.0) for t in range(7)]
+    expected = [[outcome[index].item() + (0.3 * terms[3 + index][turn] if t < len(row["token_turns"]) and
+                                          (turn := row["token_turns"][t]) >= 0 else 0.0) for t in range(7)]
                 for index, row in enumerate(RANK_ROWS[3:])]
     assert batch["advantages"].tolist() == [pytest.approx(row, abs=1e-6) for row in expected]
     weighted = [0.3 * abs(term) for row in terms for term in row]

@@ -448,11 +448,11 @@ def recording_updates(monkeypatch, call_real: bool):
     expected at the weights before it) and then runs the real one (or returns those stats)."""
     calls, real = [], train_ppo.ppo_update
 
-    def update(accelerator, model, optimizer, minibatch, args, first_outputs=None):
+    def update(accelerator, model, optimizer, minibatch, args, untrained_forward=None):
         expected = stats_by_hand(model, minibatch, args) if call_real else {}
-        calls.append(SimpleNamespace(ids=minibatch["input_ids"].tolist(), reused=first_outputs is not None,
+        calls.append(SimpleNamespace(ids=minibatch["input_ids"].tolist(), reused=untrained_forward is not None,
                                      expected=expected))
-        return real(accelerator, model, optimizer, minibatch, args, first_outputs) if call_real else {"n": 1.0}
+        return real(accelerator, model, optimizer, minibatch, args, untrained_forward) if call_real else {"n": 1.0}
 
     monkeypatch.setattr(train_ppo, "ppo_update", update)
     return calls
@@ -471,12 +471,12 @@ def test_a_second_epoch_trains_the_policy_the_first_epoch_updated(accelerator, m
     args = train_ppo.PPOArguments(**LOSS_ARGS, temperature=0.7, ppo_epochs=2, minibatch_size=4, micro_batch_size=2,
                                   learning_rate=0.05, critic_learning_rate=0.01)
     orders = [[2, 0, 3, 1], [1, 3, 0, 2]]
-    old_logprobs, old_values, first_pass = train_ppo.old_logprobs_and_values(networks, batch, orders[0],
+    old_logprobs, old_values, untrained_forward = train_ppo.old_logprobs_and_values(networks, batch, orders[0],
                                                                              args.temperature, args.micro_batch_size)
     batch.update(old_logprobs=old_logprobs, old_values=old_values)
     calls = recording_updates(monkeypatch, call_real=True)
     stats = train_ppo.ppo_epochs(accelerator, networks, train_ppo.make_optimizer(networks, args), batch, orders,
-                                 first_pass, args)
+                                 untrained_forward, args)
     assert rows_in(calls, batch) == orders
     assert [call.reused for call in calls] == [True, False]
     for got, call in zip(stats, calls):

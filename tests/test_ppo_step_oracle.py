@@ -48,7 +48,7 @@ def test_the_batch_each_step_trains_on_is_the_papers_computation_from_its_dialog
         played.append(dialogues)
         return stop_if_failed(dialogues, *rest)
 
-    def check_then_train(accelerator, model, optimizer, batch, epoch_orders, first_pass, args):
+    def check_then_train(accelerator, model, optimizer, batch, epoch_orders, untrained_forward, args):
         dialogues = played[-1]
         networks = accelerator.unwrap_model(model)
         ids, attention, actions = batch["input_ids"], batch["attention_mask"], batch["action_mask"]
@@ -83,7 +83,7 @@ def test_the_batch_each_step_trains_on_is_the_papers_computation_from_its_dialog
         whitened = [(a - mean) / (std + 1e-8) for a in pooled]
         assert batch["advantages"][actions > 0].tolist() == pytest.approx(whitened, abs=1e-3)
         assert batch["advantages"][actions == 0].abs().sum() == 0
-        return train(accelerator, model, optimizer, batch, epoch_orders, first_pass, args)
+        return train(accelerator, model, optimizer, batch, epoch_orders, untrained_forward, args)
 
     monkeypatch.setattr(train_ppo, "stop_if_simulators_failed", keep_dialogues)
     monkeypatch.setattr(train_ppo, "ppo_epochs", check_then_train)

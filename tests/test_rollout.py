@@ -101,14 +101,14 @@ def test_env_mask_is_one_exactly_on_the_sampled_tokens(tiny, think):
             mask.extend([int(sampled)] * len(ids))
 
         user_messages = [m["content"] for m in dialogue.simulator.history if m["role"] == "user"][1:]
-        for turn, (turn_ids, thought) in enumerate(zip(dialogue.sampled_turns, dialogue.thought_ids)):
+        for turn, (turn_ids, thought) in enumerate(zip(dialogue.turn_ids, dialogue.thought_ids)):
             if think:
                 add(segments.think_open, False)
                 add(thought, True)
                 if not tokenizer.decode(thought).endswith("</think>"):
                     add(segments.think_close, False)
             add(turn_ids[len(thought):], True)
-            if turn < len(dialogue.sampled_turns) - 1:  # nothing is appended after the last turn
+            if turn < len(dialogue.turn_ids) - 1:  # nothing is appended after the last turn
                 add(segments.closing_ids(turn_ids) + segments.user_turn_ids(user_messages[turn]), False)
         assert expected == dialogue.completion_ids
         assert mask == dialogue.env_mask
@@ -120,8 +120,8 @@ def test_masked_in_tokens_are_what_the_model_returned_turn_by_turn(tiny):
     recorder = Recording(sampling_generator(model, tokenizer))
     dialogues = run(tokenizer, recorder, starts, max_turns=3, max_reply_tokens=10)
     for turn, call in enumerate(recorder.calls):
-        active = [d for d in dialogues if len(d.sampled_turns) > turn]
-        assert [d.sampled_turns[turn] for d in active] == call["sampled"]
+        active = [d for d in dialogues if len(d.turn_ids) > turn]
+        assert [d.turn_ids[turn] for d in active] == call["sampled"]
     for dialogue in dialogues:
         runs, current = [], []
         for token, keep in zip(dialogue.completion_ids, dialogue.env_mask):
@@ -130,7 +130,7 @@ def test_masked_in_tokens_are_what_the_model_returned_turn_by_turn(tiny):
             elif current:
                 runs, current = runs + [current], []
         runs += [current] if current else []
-        assert [tokenizer.decode(r) for r in runs] == [tokenizer.decode(t) for t in dialogue.sampled_turns]
+        assert [tokenizer.decode(r) for r in runs] == [tokenizer.decode(t) for t in dialogue.turn_ids]
 
 
 def test_inserted_tokens_are_the_user_messages_in_the_chat_template(tiny):

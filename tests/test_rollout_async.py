@@ -69,7 +69,7 @@ def greedy(model_dir):
 
 def outcome(dialogues: list[rollout.Dialogue]) -> list[tuple]:
     """Everything a trainer reads from the dialogues, by dialogue."""
-    return [(d.dialogue_id, d.prompt_ids, d.completion_ids, d.env_mask, d.logprobs, d.sampled_turn(), d.emotions,
+    return [(d.dialogue_id, d.prompt_ids, d.completion_ids, d.env_mask, d.logprobs, d.token_turns(), d.emotions,
              d.reply_texts, d.think_texts, d.end_reason, d.format_violations) for d in dialogues]
 
 

@@ -570,7 +570,7 @@ def metric_rows(draw, max_turns):
             "simulator_calls": {"calls": calls, "attempts": calls + draw(st.integers(0, 3)),
                                 "failed": draw(st.integers(0, calls)), "prompt_tokens": draw(st.integers(0, 900)),
                                 "completion_tokens": draw(st.integers(0, 90))},
-            "turn_changes": [], "sampled_turn": []}  # read by others, not by the metrics
+            "turn_changes": [], "token_turns": []}  # read by others, not by the metrics
 
 
 @given(data=st.data(), max_turns=st.integers(1, 5))

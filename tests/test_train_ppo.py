@@ -247,19 +247,19 @@ def test_per_turn_rows_drop_earlier_thoughts_and_train_one_turn_each(tiny_model_
 
     dialogue, tokenizer = play_think_dialogue(tiny_model_dir)
     rows = train_ppo.per_turn_rows(dialogue)
-    assert len(rows) == len(dialogue.sampled_turns) == 3
+    assert len(rows) == len(dialogue.turn_ids) == 3
     segments = rollout.ChatSegments(tokenizer)
     user_blocks = [dialogue.completion_ids[end:start] for end, start in zip(
         [s + len(t) + len(segments.think_open) + (0 if tokenizer.decode(th).endswith("</think>") else len(segments.think_close))
-         for s, t, th in zip(dialogue.turn_starts, dialogue.sampled_turns, dialogue.thought_ids)],
+         for s, t, th in zip(dialogue.turn_starts, dialogue.turn_ids, dialogue.thought_ids)],
         dialogue.turn_starts[1:])]
     context = list(dialogue.prompt_ids)
     for turn, (ids, mask) in enumerate(rows):
         actions = [token for token, keep in zip(ids, mask) if keep]
-        assert actions == dialogue.sampled_turns[turn]  # only this turn is trained
+        assert actions == dialogue.turn_ids[turn]  # only this turn is trained
         assert ids[:len(context)] == context  # earlier turns appear as replies only
         thought = dialogue.thought_ids[turn]
-        context = context + dialogue.sampled_turns[turn][len(thought):] + user_blocks[turn] if turn < 2 else context
+        context = context + dialogue.turn_ids[turn][len(thought):] + user_blocks[turn] if turn < 2 else context
     after_prompt = tokenizer.decode(rows[2][0][len(dialogue.prompt_ids):])
     assert after_prompt.count("<think>") == 1  # only the current turn's thought
 

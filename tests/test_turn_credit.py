@@ -28,7 +28,7 @@ def two_turn_dialogue(emotions=(35, 45), start=30):
     return rollout.Dialogue(
         dialogue_id=0, profile=None, simulator=SimpleNamespace(start_emotion=start, emotion=emotions[-1]),
         prompt_ids=list(PROMPT), completion_ids=list(COMPLETION), env_mask=list(ENV_MASK),
-        sampled_turns=[[10, 11], [12, 13, 14]], thought_ids=[[], [12, 13]], turn_starts=[0, 4],
+        turn_ids=[[10, 11], [12, 13, 14]], thought_ids=[[], [12, 13]], turn_starts=[0, 4],
         emotions=list(emotions), reply_texts=["a", "b"])
 
 
@@ -44,15 +44,15 @@ def test_turn_changes_are_each_turns_emotion_difference_and_sum_to_final_minus_s
 
 
 def test_sampled_turn_marks_only_the_tokens_each_turn_sampled():
-    assert two_turn_dialogue().sampled_turn() == [0, 0, -1, -1, -1, 1, 1, -1, 1]
+    assert two_turn_dialogue().token_turns() == [0, 0, -1, -1, -1, 1, 1, -1, 1]
 
 
 def test_in_a_real_think_rollout_each_turn_is_marked_on_exactly_the_tokens_it_sampled(tiny_model_dir):
     from conftest import play_think_dialogue
 
     dialogue, _ = play_think_dialogue(tiny_model_dir)
-    turn_of = dialogue.sampled_turn()
-    for turn, sampled in enumerate(dialogue.sampled_turns):
+    turn_of = dialogue.token_turns()
+    for turn, sampled in enumerate(dialogue.turn_ids):
         assert [token for token, t in zip(dialogue.completion_ids, turn_of) if t == turn] == sampled
     assert [t >= 0 for t in turn_of] == [bool(keep) for keep in dialogue.env_mask]
     assert sum(dialogue.turn_changes) == dialogue.final_emotion - rollout.DialogueArguments().start_emotion
@@ -100,7 +100,7 @@ def test_with_gamma_and_lambda_one_a_turns_return_is_what_followed_it():
     for turn_credit, expected in [(False, [0.45, 0.45]), (True, [0.15, 0.10])]:
         mask, rewards = rewards_of(two_turn_dialogue(), 0.45, turn_credit)
         _, returns = train_ppo.masked_gae(rewards, torch.zeros_like(mask), mask, gamma=1.0, lam=1.0)
-        turn_of = two_turn_dialogue().sampled_turn()
+        turn_of = two_turn_dialogue().token_turns()
         for position, turn in enumerate(turn_of):
             want = expected[turn] if turn >= 0 else 0.0
             assert returns[0, 3 + position].item() == pytest.approx(want), (turn_credit, position)
@@ -159,8 +159,8 @@ def test_the_group_baseline_and_the_bound_scale():
 
 def test_token_advantages_add_the_weighted_turn_term_only_on_that_turns_sampled_tokens():
     outcome = torch.tensor([0.8, -0.3])
-    sampled_turn = [[0, 0, -1, -1, 1, 1], [0, -1]]  # row 1 is shorter: the rest is padding
-    advantages = train_grpo.token_advantages(outcome, [[1.0, -2.0], [0.4]], sampled_turn, width=7, coef=0.5)
+    token_turns = [[0, 0, -1, -1, 1, 1], [0, -1]]  # row 1 is shorter: the rest is padding
+    advantages = train_grpo.token_advantages(outcome, [[1.0, -2.0], [0.4]], token_turns, width=7, coef=0.5)
     assert advantages[0].tolist() == pytest.approx([1.3, 1.3, 0.8, 0.8, -0.2, -0.2, 0.8])
     assert advantages[1].tolist() == pytest.approx([-0.1, -0.3, -0.3, -0.3, -0.3, -0.3, -0.3])
     assert advantages.dtype == outcome.dtype
