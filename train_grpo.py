@@ -1,65 +1,19 @@
 """GRPO against a simulated user: TRL's GRPOTrainer with a multi-turn `rollout_func`.
 
-Each training prompt is a profile id. TRL's sampler repeats it `num_generations` times; every copy
-becomes one dialogue with its own simulator, and all copies share the profile and its opening line
-(made once per profile before training, on the main process, and sent to the others: a group may span
-ranks). `rollout.py` plays the dialogues at token level and the reward is the final emotion / 100, read
-from the rollout's `final_emotion` field (not from the decoded completion text).
+    accelerate launch train_grpo.py            # the offline demo: the packaged SmolLM2 with LoRA vs the rule user
+    accelerate launch train_grpo.py --think    # the same, thinking before each reply
+    accelerate launch --config_file accelerate_configs/zero3.yaml train_grpo.py \
+        --config recipes/grpo_qwen2.5-7b_think.yaml    # the paper's run: GPUs, an LLM simulated user
 
-Offline demo (the defaults): the packaged SmolLM2-135M-Instruct with LoRA, against the rule
-simulator on our English profiles, on 2 CPU cores about 15 minutes (reply only) and 30 (think):
+Each training prompt is a profile id. TRL repeats it `num_generations` times and every copy becomes one
+dialogue with its own simulated user (`rollout.py`), all copies opening with the profile's one line. The
+reward is the final emotion / 100, read from the rollout's `final_emotion` field. Every GRPOConfig and
+ModelConfig flag of TRL works too.
 
-    accelerate launch train_grpo.py            # reply only
-    accelerate launch train_grpo.py --think    # think, then reply
-
-The paper's runs (8 x 80 GB GPUs, `pip install -r requirements-gpu.txt`, an LLM simulator on an
-OpenAI-compatible endpoint on other GPUs; each recipe's header has its memory estimate):
-
-    accelerate launch --config_file accelerate_configs/zero3.yaml train_grpo.py \\
-        --config recipes/grpo_qwen2.5-7b_think.yaml
-
-Every GRPOConfig and ModelConfig flag of TRL works too (`--report_to trackio`, `--push_to_hub`,
-`--use_vllm`, `--lora_r`, ...). Where the demo defaults differ from the paper's settings,
-`DEMO_DEFAULTS` says so; the recipes hold the paper's values. The demo defaults are the parser's
-defaults, also under `--config`: every recipe states every `DEMO_DEFAULTS` key (tests/test_recipes.py
-checks it), and a config file that leaves one out gets a warning naming the demo values it keeps.
-A tracker in `report_to` whose package is missing is refused at start-up, before any model loads, as is
-every other input that can be checked without one (options, --config, output folder, model path, profiles),
-and a full fine-tune (`use_peft` false) of bf16 weights without DeepSpeed, which would not learn
-(`check_master_weights`).
-
-Turn-level credit (`--turn_credit`; off by default, the paper rewards the final emotion only): the
-simulated user reports an emotion change after every policy turn. With it on, a token's advantage is its
-dialogue's group-normalised outcome advantage (TRL's) plus `turn_credit_coef` x its turn's change
-compared with its group's changes at the same turn (`turn_terms`), so that a reply that moved the user
-more than the group's replies did at that point is credited for it, and one that lost the user is not
-credited with a recovery a later reply made. `rollout_func` is unchanged: the changes travel in its
-per-row fields, and `DialogueGRPOTrainer` turns them into advantages of shape (rows, tokens). TRL's options
-written for one advantage per dialogue (GSPO's sequence-level ratio, VESPO, the off-policy mask, and
-`scale_rewards none` with a std-scaled turn term) are refused with it (`check_turn_credit`).
-
-vLLM (`use_vllm`, generation only; the recipes colocate it with the trainer on every GPU):
-- Importance sampling. vLLM's token probabilities differ slightly from the trainer's, and TRL
-  corrects the loss by the ratio trainer/vLLM. TRL's default, `sequence_mask`, multiplies the
-  ratios of all a row's tokens and zeroes the whole row when the product exceeds 3 (a summed log
-  ratio above ln 3 = 1.1): over the thousands of tokens of a multi-turn dialogue, small per-token
-  mismatches add up and whole dialogues would drop out of the loss. We use `token_truncate`: each
-  token's ratio is capped at `vllm_importance_sampling_clip_max` (3) and no dialogue is dropped.
-  Logged: TRL's `sampling/importance_sampling_ratio/{min,mean,max}` and
-  `sampling/sampling_logp_difference/{mean,max}`, and ours,
-  `sampling/importance_sampling_ratio/clipped_share`: the share of trained tokens whose ratio was
-  clipped (or zeroed, in the `*_mask` modes).
-- `--vllm_enable_sleep_mode` is allowed but warned about: TRL puts the engine to sleep (weights and
-  KV cache discarded) after every generate call and re-pushes all the policy's weights before the
-  next, and a multi-turn rollout calls generate once per turn, phase and distinct token budget (at
-  least 2 x max_turns a step with --think; a context near max_dialogue_tokens has a smaller budget and
-  its own call), so every call pays a full weight sync and a prefill of the whole context.
-
-Logged every step (docs/usage.md "Metrics"): reward; emotion/final_mean, emotion/success_rate (final =
-100), emotion/failure_rate (final < 10), emotion/after_turn_k; dialogue/turns_mean,
-dialogue/ended_<reason>; format/violation_rate; length/think_tokens_per_turn,
-length/reply_tokens_per_turn; simulator/seconds_per_turn. Transcripts of every dialogue go to
-`<output_dir>/transcripts.jsonl` (benchmark result format plus step and thoughts).
+What it simplifies: a dialogue is one training row, the policy keeping its earlier thoughts in view (the
+paper trained each turn as its own row); the defaults are a CPU demo (`DEMO_DEFAULTS`), the recipes hold the
+paper's values. The details (start-up checks, turn credit, vLLM's importance sampling, the metrics) are in
+docs/training.md, docs/gpu.md and docs/usage.md.
 """
 import json
 import os
