@@ -410,15 +410,11 @@ class DialogueGRPOTrainer(GRPOTrainer):
         return batch
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    common.use_all_cpu_cores()
-    dialogue_args, simulator_args, credit_args, training_args, model_args = parse_arguments(argv)
-    if dialogue_args.think and training_args.output_dir == DEMO_DEFAULTS["output_dir"]:
-        training_args.output_dir += "-think"  # the two demo runs side by side
+def check_inputs(argv, dialogue_args, simulator_args, credit_args, training_args, model_args) -> tuple[str, dict]:
+    """Every input that can be checked without a model, before one loads (or the simulator's endpoint is asked);
+    then the run folder is marked as this run's. Returns (the model's folder, the profiles by id)."""
     check_setup(argv, training_args)  # before anything slow
     common.check_vllm(training_args.use_vllm)
-    # Every input that can be checked without a model, before one loads (or the simulator's endpoint is asked).
     model_path = common.resolve_model(model_args.model_name_or_path, "model_name_or_path")
     training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
     check_master_weights(model_path, training_args, model_args.use_peft)
@@ -435,17 +431,58 @@ def main(argv: list[str] | None = None) -> None:
     common.check_shared_folder(training_args.output_dir, training_args.distributed_state)
     if training_args.distributed_state.is_main_process:
         common.mark_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path, settings)
-
-    transcripts = Path(training_args.output_dir) / "transcripts.jsonl"
-    if training_args.resume_from_checkpoint:  # the checkpoint's steps will be played again: drop their rows
-        training_args.resume_from_checkpoint = str(resume_checkpoint(training_args))
-        state = Path(training_args.resume_from_checkpoint) / "trainer_state.json"
-        trained = json.loads(state.read_text())["global_step"]
-        common.check_steps_left("--resume_from_checkpoint", training_args.resume_from_checkpoint, trained,
-                                training_args.max_steps)
-        for path in [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]:
-            rollout.keep_rows_before(path, trained)
     common.check_model_folder(model_path, "model_name_or_path")
+    return model_path, profiles
+
+
+def prepare_resume(training_args: GRPOConfig, transcripts: Path) -> None:
+    """--resume_from_checkpoint: the checkpoint resolved, and its later steps' transcript rows dropped (those
+    steps are played again)."""
+    training_args.resume_from_checkpoint = str(resume_checkpoint(training_args))
+    state = Path(training_args.resume_from_checkpoint) / "trainer_state.json"
+    trained = json.loads(state.read_text())["global_step"]
+    common.check_steps_left("--resume_from_checkpoint", training_args.resume_from_checkpoint, trained,
+                            training_args.max_steps)
+    for path in [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]:
+        rollout.keep_rows_before(path, trained)
+
+
+def train_and_save(trainer: DialogueGRPOTrainer, training_args: GRPOConfig, runner) -> None:
+    """Train; save after a step that lost too many simulated users, or after Ctrl-C; save the model at the end."""
+    stop_on_ctrl_c = StopOnCtrlC()
+    trainer.add_callback(stop_on_ctrl_c)
+    with common.StopRequest(show=trainer.accelerator.is_main_process) as stop_on_ctrl_c.request:
+        try:
+            trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        except rollout.TooManySimulatorFailures as error:
+            trainer._save_checkpoint(trainer.model, trial=None)  # Trainer's own checkpoint: weights, optimizer, RNG
+            folder = Path(training_args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+            raise SystemExit(f"stopped at step {trainer.state.global_step} ({folder} holds the state before it; "
+                             f"continue with --resume_from_checkpoint {folder}): {error}") from None
+    if stop_on_ctrl_c.stopped:  # the Trainer saved the checkpoint of the step it stopped after
+        folder = Path(training_args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+        runner.close()
+        if trainer.accelerator.is_main_process:
+            common.note_interruption(training_args.output_dir, trainer.state.global_step - 1, folder,
+                                     common.resume_command("--resume_from_checkpoint", str(folder)))
+        raise SystemExit(130)
+    trainer.save_model(training_args.output_dir)
+    trainer.save_state()
+    if training_args.push_to_hub:
+        trainer.push_to_hub()
+    runner.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    common.use_all_cpu_cores()
+    dialogue_args, simulator_args, credit_args, training_args, model_args = parse_arguments(argv)
+    if dialogue_args.think and training_args.output_dir == DEMO_DEFAULTS["output_dir"]:
+        training_args.output_dir += "-think"  # the two demo runs side by side
+    model_path, profiles = check_inputs(argv, dialogue_args, simulator_args, credit_args, training_args, model_args)
+    transcripts = Path(training_args.output_dir) / "transcripts.jsonl"
+    if training_args.resume_from_checkpoint:
+        prepare_resume(training_args, transcripts)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, simulator.make_chat(simulator_args))
     runner.check_chat()  # fail now, not after loading the model
@@ -474,28 +511,7 @@ def main(argv: list[str] | None = None) -> None:
         credit=credit_args if dialogue_args.turn_credit else None,
         change_bound=simulator_args.change_bound,
     )
-    stop_on_ctrl_c = StopOnCtrlC()
-    trainer.add_callback(stop_on_ctrl_c)
-    with common.StopRequest(show=trainer.accelerator.is_main_process) as stop_on_ctrl_c.request:
-        try:
-            trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        except rollout.TooManySimulatorFailures as error:
-            trainer._save_checkpoint(trainer.model, trial=None)  # Trainer's own checkpoint: weights, optimizer, RNG
-            folder = Path(training_args.output_dir) / f"checkpoint-{trainer.state.global_step}"
-            raise SystemExit(f"stopped at step {trainer.state.global_step} ({folder} holds the state before it; "
-                             f"continue with --resume_from_checkpoint {folder}): {error}") from None
-    if stop_on_ctrl_c.stopped:  # the Trainer saved the checkpoint of the step it stopped after
-        folder = Path(training_args.output_dir) / f"checkpoint-{trainer.state.global_step}"
-        runner.close()
-        if trainer.accelerator.is_main_process:
-            common.note_interruption(training_args.output_dir, trainer.state.global_step - 1, folder,
-                                     common.resume_command("--resume_from_checkpoint", str(folder)))
-        raise SystemExit(130)
-    trainer.save_model(training_args.output_dir)
-    trainer.save_state()
-    if training_args.push_to_hub:
-        trainer.push_to_hub()
-    runner.close()
+    train_and_save(trainer, training_args, runner)
     if trainer.accelerator.is_main_process:
         print(f"read the dialogues: {common.script_command('report.py')} {shlex.quote(training_args.output_dir)}")
 
