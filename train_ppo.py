@@ -377,8 +377,8 @@ def state_values(critic, input_ids, attention_mask):
     return torch.cat([torch.zeros_like(values[:, :1]), values], dim=1)
 
 
-def select_rows(batch: dict, rows: list[int]) -> dict:
-    return {key: value[rows] for key, value in batch.items()}
+def select_rows(batch: dict, indices: list[int]) -> dict:
+    return {key: value[indices] for key, value in batch.items()}
 
 
 def forward(model, batch: dict, temperature: float, with_entropy: bool = True):
@@ -412,9 +412,9 @@ def old_logprobs_and_values(model, batch: dict, order: list[int], temperature: f
                                                                     untrained_forward[2].detach())
     scorer = extract_model_from_parallel(model)  # keeps accelerate's autocast, if any
     with torch.no_grad():
-        for rows in micro_batches[1:]:
-            old_logprobs[rows], _, old_values[rows] = forward(scorer, select_rows(batch, rows), temperature,
-                                                              with_entropy=False)
+        for indices in micro_batches[1:]:
+            old_logprobs[indices], _, old_values[indices] = forward(scorer, select_rows(batch, indices), temperature,
+                                                                    with_entropy=False)
     return old_logprobs, old_values * batch["action_mask"], untrained_forward
 
 
@@ -510,9 +510,9 @@ def ppo_losses(new_logprobs, entropy, new_values, batch, args: PPOArguments, act
 def placeholder_rows(minibatch: dict) -> dict:
     """One row of two tokens without actions, in `minibatch`'s dtypes and device: its forward and backward
     pass make a rank's collectives without changing any gradient (ppo_update)."""
-    rows = {key: torch.zeros((1, 2), dtype=value.dtype, device=value.device) for key, value in minibatch.items()}
-    rows["attention_mask"] += 1
-    return rows
+    placeholder = {key: torch.zeros((1, 2), dtype=value.dtype, device=value.device) for key, value in minibatch.items()}
+    placeholder["attention_mask"] += 1
+    return placeholder
 
 
 def ppo_update(accelerator, model, optimizer, minibatch: dict, args: PPOArguments, untrained_forward=None) -> dict:
@@ -540,15 +540,15 @@ def ppo_update(accelerator, model, optimizer, minibatch: dict, args: PPOArgument
     loss by gradient_accumulation_steps is turned off, the losses being scaled already."""
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     networks = accelerator.unwrap_model(model)
-    rows, processes = len(minibatch["action_mask"]), accelerator.num_processes
-    micro_batches = most_over_ranks(-(-rows // args.micro_batch_size), minibatch["action_mask"].device)
+    row_count, processes = len(minibatch["action_mask"]), accelerator.num_processes
+    micro_batches = most_over_ranks(-(-row_count // args.micro_batch_size), minibatch["action_mask"].device)
     action_count = all_ranks(minibatch["action_mask"].sum()).clamp(min=1) / processes
     stats = {}
     optimizer.zero_grad()
     for index in range(micro_batches):
         start = index * args.micro_batch_size
         micro_batch = {key: value[start:start + args.micro_batch_size] for key, value in minibatch.items()}
-        if start >= rows:
+        if start >= row_count:
             micro_batch = placeholder_rows(minibatch)
         outputs = untrained_forward if start == 0 and untrained_forward is not None \
             else forward(model, micro_batch, args.temperature)
