@@ -316,16 +316,16 @@ class VLLMServerTurns:
     stock `vllm serve`), for --rollout async: every rank sends its dialogues' turns as they become ready,
     and the server batches the requests of all ranks continuously. A request is TRL's VLLMClient.generate
     payload for one token-id prompt: the turn's own budget, its stop string, the trainer's sampling
-    settings, and a seed of its own, drawn from (`seed`, rank, dialogue, turn, phase) so that it does not
-    depend on the order the requests are sent in. Transient failures are retried (the OpenAI client's
+    settings, and a seed of its own, drawn from (the run's seed, step, rank, dialogue, turn, phase) so that it
+    does not depend on the order the requests are sent in. Transient failures are retried (the OpenAI client's
     retries, `max_retries`)."""
 
-    def __init__(self, base_url: str, sampling: dict, seed: int, rank: int, max_retries: int = 3):
+    def __init__(self, base_url: str, sampling: dict, seed: int, step: int, rank: int, max_retries: int = 3):
         import openai
 
         self.client = openai.AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key="EMPTY",
                                          max_retries=max_retries, timeout=600)
-        self.sampling, self.seed, self.rank, self.model = sampling, seed, rank, None
+        self.sampling, self.seed_parts, self.model = sampling, [seed, step, rank], None
 
     @classmethod
     def of_trainer(cls, trainer):
@@ -335,18 +335,18 @@ class VLLMServerTurns:
         sampling = {"temperature": generation.temperature, "top_p": generation.top_p, "top_k": generation.top_k,
                     "min_p": generation.min_p or 0.0, "repetition_penalty": generation.repetition_penalty,
                     **(generation.generation_kwargs or {})}
-        return cls(base_url, sampling, seed=args.seed * 1_000_003 + trainer.state.global_step,
+        return cls(base_url, sampling, seed=args.seed, step=trainer.state.global_step,
                    rank=trainer.accelerator.process_index)
 
     def request_seed(self, key: tuple) -> int:
-        text = json.dumps([self.seed, self.rank, *key])
+        text = json.dumps([*self.seed_parts, *key])
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") >> 1  # vLLM takes a 32-bit seed
 
     async def sample(self, context: list[int], budget: int, stop: str | None, key: tuple):
         """(sampled ids, their logprobs) of one turn's phase; `key` is (dialogue id, turn, phase)."""
         if self.model is None:
             self.model = (await self.client.models.list()).data[0].id
-        extra = {key: value for key, value in self.sampling.items() if key not in ("temperature", "top_p")}
+        extra = {name: value for name, value in self.sampling.items() if name not in ("temperature", "top_p")}
         completion = await self.client.completions.create(
             model=self.model, prompt=context, max_tokens=budget, temperature=self.sampling["temperature"],
             top_p=self.sampling["top_p"], seed=self.request_seed(key), logprobs=0, stop=[stop] if stop else None,
@@ -372,10 +372,10 @@ class VLLMServerGenerator:
         self.client.init_communicator()
         self.host, self.port, self.temperature = host, port, temperature
 
-    def turns(self, seed: int, rank: int) -> VLLMServerTurns:
+    def turns(self, seed: int, step: int, rank: int) -> VLLMServerTurns:
         """The same server and temperature, a request for each turn (--rollout async)."""
         sampling = {"temperature": self.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
-        return VLLMServerTurns(f"http://{self.host}:{self.port}", sampling, seed, rank)
+        return VLLMServerTurns(f"http://{self.host}:{self.port}", sampling, seed, step, rank)
 
     @torch.no_grad()
     def push_weights(self, model) -> None:

@@ -867,7 +867,7 @@ def policy_generator(vllm_server, policy, tokenizer, args: PPOArguments, dialogu
     if vllm_server is not None:
         vllm_server.push_weights(policy)
         if dialogue_args.rollout == "async":
-            return vllm_server.turns(seed=args.seed * 1_000_003 + step, rank=0)  # one process (check_arguments)
+            return vllm_server.turns(args.seed, step, rank=0)  # one process (check_arguments)
         return vllm_server
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sampling = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,

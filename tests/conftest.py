@@ -207,6 +207,56 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+@contextlib.contextmanager
+def serving(model_dir, log: Path, max_model_len: int | None = None, update_seconds: float = 0.0,
+            latency: float = 0.0, seed: int = 0):
+    """The fake `trl vllm-serve` of tests/fake_vllm on 127.0.0.1 (`--max_model_len` as vLLM's; each weight update
+    taking `update_seconds`, each completion up to `latency` seconds); yields its base URL."""
+    port = free_port()
+    command = [sys.executable, str(REPO / "tests" / "fake_vllm" / "server.py"), "--port", str(port), "--model",
+               str(model_dir), "--log", str(log), "--update_seconds", str(update_seconds), "--latency", str(latency),
+               "--seed", str(seed), *(["--max_model_len", str(max_model_len)] if max_model_len else [])]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.kill()
+        server.wait()
+
+
+def two_ranks(*arguments, env=None, timeout=400) -> subprocess.CompletedProcess:
+    """A script on 2 CPU processes (torch.distributed.run, gloo), from the repository's folder."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), *map(str, arguments)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", **(env or {})})
+
+
+class SlowUser:
+    """A fake simulator endpoint's answers (FakeOpenAIServer's `respond`), each after a random latency of up to
+    `most` seconds drawn from its own RNG, so dialogues' turns come back in a random order. The answer itself is
+    a function of the request alone, so two schedules get the same answers to the same dialogue; its changes
+    are large enough that dialogues end at different turns."""
+
+    def __init__(self, seed: int, most: float = 0.06):
+        import random
+        import threading
+
+        self.delays, self.most, self.lock = random.Random(seed), most, threading.Lock()
+
+    def __call__(self, body: dict) -> dict:
+        import zlib
+
+        with self.lock:
+            wait = self.delays.uniform(0, self.most)
+        digest = zlib.crc32(json.dumps(body["messages"]).encode())
+        if "CHANGE" in body["messages"][-1]["content"]:
+            return {"hang": wait, "text": f"They said something.\nCHANGE: {['+25', '-25', '+8', '-12', '+30'][digest % 5]}"}
+        return {"hang": wait, "text": ["Work has been a lot lately.", "I do not know what to do.",
+                                       "Nobody listens to me."][digest % 3]}
+
+
 @pytest.fixture(scope="session")
 def packaged_model():
     """The offline SmolLM2-135M-Instruct, converted once into the repository's cache folder."""

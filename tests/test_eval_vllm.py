@@ -10,7 +10,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO
+from conftest import REPO, SlowUser
 
 import common
 import eval_general
@@ -264,10 +264,6 @@ def test_sentient_rows_are_the_same_with_rollout_async_and_lockstep(tiny_model_d
     """Transformers with the rule user, who answers at once: async's generate calls hold lockstep's scenarios,
     so the same sampled rows. The vLLM engine with an LLM simulator answering in random order: the same rows
     under greedy decoding (tests/test_rollout_async.py has the other pairings)."""
-    import random
-    import threading
-    import zlib
-
     from fake_openai import FakeOpenAIServer
 
     outputs = {}
@@ -276,17 +272,7 @@ def test_sentient_rows_are_the_same_with_rollout_async_and_lockstep(tiny_model_d
         run_sentient(tiny_model_dir, outputs[schedule], limit=3, batch_size=3, rollout=schedule)
     assert [row["history"] for row in rows(outputs["async"])] == [row["history"] for row in rows(outputs["lockstep"])]
 
-    delays, lock = random.Random(0), threading.Lock()
-
-    def answer(body):  # a function of the request, after a random latency
-        with lock:
-            wait = delays.uniform(0, 0.05)
-        digest = zlib.crc32(json.dumps(body["messages"]).encode())
-        text = (f"Hm.\nCHANGE: {['+6', '-4', '+9'][digest % 3]}" if "CHANGE" in body["messages"][-1]["content"]
-                else ["Fine, I guess.", "It still hurts.", "Maybe."][digest % 3])
-        return {"hang": wait, "text": text}
-
-    with FakeOpenAIServer(respond=answer) as server:
+    with FakeOpenAIServer(respond=SlowUser(seed=0, most=0.05)) as server:
         llm_user = simulator.SimulatorArguments(backend="llm", base_url=server.base_url, simulator_model="sim-model")
         for schedule in ("lockstep", "async"):
             outputs[schedule] = tmp_path / f"llm-{schedule}.jsonl"

@@ -3,35 +3,16 @@ vllm of tests/fake_vllm (its `LLM` for colocate mode, its `trl vllm-serve` for s
 vLLM, the trainer's own model, down to DeepSpeed ZeRO-3 on 2 CPU ranks."""
 import collections
 import json
-import os
 import subprocess
-import sys
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import free_port
+from conftest import serving, two_ranks
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 FAKE = TESTS / "fake_vllm"
-
-
-@contextmanager
-def serving(model_dir, log: Path, max_model_len: int | None = None, update_seconds: float = 0.0):
-    """The fake `trl vllm-serve` on 127.0.0.1 (`--max_model_len` as vLLM's); yields its base URL."""
-    port = free_port()
-    command = [sys.executable, str(FAKE / "server.py"), "--port", str(port), "--model", str(model_dir),
-               "--log", str(log), "--update_seconds", str(update_seconds),
-               *(["--max_model_len", str(max_model_len)] if max_model_len else [])]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout.readline().strip() == "ready"
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.kill()
-        server.wait()
 
 
 @pytest.fixture
@@ -64,13 +45,6 @@ def test_the_fake_server_refuses_a_prompt_longer_than_max_model_len_minus_max_to
         assert status([[7] * 5], 41) == 400  # max_tokens alone past max_model_len
     refused = server_events(tmp_path / "server.log", "completions_refused")
     assert [(row["longest_prompt"], row["max_tokens"]) for row in refused] == [(31, 10), (31, 10), (5, 41)]
-
-
-def two_ranks(*arguments, env=None, timeout=400) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), *map(str, arguments)]
-    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", **(env or {})})
 
 
 def case_results(finished: subprocess.CompletedProcess, out_dir: Path) -> list[dict]:

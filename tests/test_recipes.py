@@ -91,6 +91,21 @@ def test_a_grpo_recipe_colocates_vllm_sized_to_its_dialogues_without_sleep_mode(
 
 
 @pytest.mark.parametrize("recipe", GRPO_RECIPES, ids=lambda r: r.name)
+def test_a_grpo_recipe_plays_its_rollout_async(recipe):
+    """Colocated vLLM with tensor parallelism 1 and no sleep mode: nothing makes generate a collective, so
+    --rollout async (the default) is what runs, not a fallback to lockstep."""
+    from types import SimpleNamespace
+
+    import generation
+
+    dialogue_args, _, _, training_args, _ = grpo_arguments(recipe)
+    assert dialogue_args.rollout == "async"
+    assert generation.vllm_lockstep_reason(SimpleNamespace(
+        mode=training_args.vllm_mode, tensor_parallel_size=training_args.vllm_tensor_parallel_size,
+        enable_sleep_mode=training_args.vllm_enable_sleep_mode)) is None
+
+
+@pytest.mark.parametrize("recipe", GRPO_RECIPES, ids=lambda r: r.name)
 def test_a_grpo_recipe_caps_importance_ratios_per_token_instead_of_dropping_dialogues(recipe):
     _, _, _, training_args, _ = grpo_arguments(recipe)
     assert training_args.vllm_importance_sampling_correction is True
@@ -205,6 +220,16 @@ PPO_DEMO_DEFAULTS = ["model_name_or_path", "output_dir", "use_peft", "dtype", "g
 def test_a_ppo_recipe_states_every_option_whose_default_is_the_demos(recipe):
     stated = set(yaml.safe_load(recipe.read_text()))
     assert [name for name in PPO_DEMO_DEFAULTS if name not in stated] == []
+
+
+@pytest.mark.parametrize("recipe", PPO_RECIPES, ids=lambda r: r.name)
+def test_a_ppo_recipe_plays_its_rollout_async_under_zero2(recipe):
+    """ZeRO-2 keeps each rank's weights whole, so generate is no collective (only ZeRO-3 and FSDP step in
+    lockstep): --rollout async (the default) runs as is."""
+    args, dialogue_args, _ = train_ppo.parse_arguments(["--config", str(recipe)])
+    assert dialogue_args.rollout == "async" and not args.use_vllm
+    launch = next(line for line in recipe.read_text().splitlines() if "accelerate launch" in line)
+    assert "zero2.yaml" in launch and "zero3" not in launch
 
 
 @pytest.mark.parametrize("recipe", PPO_RECIPES, ids=lambda r: r.name)

@@ -3,16 +3,11 @@ greedily (or with per-request seeds), whatever order the simulated users' and th
 latencies make the turns come in; and with the rule user (which answers at once) every generate call holds the
 same dialogues as lockstep's, so a sampled CPU demo is unchanged. 2 ranks: tests/rollout_ranks.py."""
 import json
-import random
-import subprocess
-import sys
-import threading
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import SlowUser, serving, two_ranks
 from fake_openai import FakeOpenAIServer
 
 import common
@@ -21,28 +16,6 @@ import rollout
 import simulator
 
 TESTS = Path(__file__).resolve().parent
-FAKE = TESTS / "fake_vllm"
-
-
-def user_answer(body: dict) -> str:
-    """What the fake simulated user answers: a function of the request alone (so both schedules get the same
-    answers to the same dialogue), with changes large enough that dialogues end at different turns."""
-    digest = zlib.crc32(json.dumps(body["messages"]).encode())
-    if "CHANGE" in body["messages"][-1]["content"]:
-        return f"They said something.\nCHANGE: {['+25', '-25', '+8', '-12', '+30'][digest % 5]}"
-    return ["Work has been a lot lately.", "I do not know what to do.", "Nobody listens to me."][digest % 3]
-
-
-class SlowUser:
-    """The fake simulator endpoint's answers, each after a random latency (up to `most` seconds, its own RNG)."""
-
-    def __init__(self, seed: int, most: float = 0.06):
-        self.delays, self.most, self.lock = random.Random(seed), most, threading.Lock()
-
-    def __call__(self, body: dict) -> dict:
-        with self.lock:
-            wait = self.delays.uniform(0, self.most)
-        return {"hang": wait, "text": user_answer(body)}
 
 
 class Recorded:
@@ -153,23 +126,6 @@ def test_a_collective_generator_is_played_in_lockstep_and_says_so(tiny_model_dir
 # A vLLM server: each turn its own request (async) against one request per call (lockstep)
 # --------------------------------------------------------------------------------------------
 
-class fake_vllm_server:
-    """tests/fake_vllm/server.py on 127.0.0.1, each completion after up to `latency` seconds."""
-
-    def __init__(self, model_dir, log: Path, latency: float = 0.0, seed: int = 0):
-        self.command = [sys.executable, str(FAKE / "server.py"), "--port", str(free_port()), "--model", str(model_dir),
-                        "--log", str(log), "--latency", str(latency), "--seed", str(seed)]
-
-    def __enter__(self):
-        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True)
-        assert self.process.stdout.readline().strip() == "ready"
-        return f"http://127.0.0.1:{self.command[3]}"
-
-    def __exit__(self, *exc):
-        self.process.kill()
-        self.process.wait()
-
-
 @pytest.fixture
 def vllm_client(monkeypatch):
     """TRL's VLLMClient, which checks that vLLM is installed (here it talks to the fake server only)."""
@@ -193,10 +149,10 @@ def batched_server_generator(url: str, temperature: float) -> generation.VLLMSer
 def test_server_requests_of_their_own_play_locksteps_dialogues_and_logprobs_under_greedy(tiny_model_dir, tmp_path,
                                                                                          think, vllm_client):
     _, tokenizer, _ = greedy(tiny_model_dir)
-    with fake_vllm_server(tiny_model_dir, tmp_path / "lockstep.log") as url:
+    with serving(tiny_model_dir, tmp_path / "lockstep.log") as url:
         expected = outcome(play(tokenizer, batched_server_generator(url, 0.0), "lockstep", think, SlowUser(1)))
-    with fake_vllm_server(tiny_model_dir, tmp_path / "async.log", latency=0.05) as url:
-        turns = batched_server_generator(url, 0.0).turns(seed=5, rank=0)
+    with serving(tiny_model_dir, tmp_path / "async.log", latency=0.05) as url:
+        turns = batched_server_generator(url, 0.0).turns(seed=5, step=0, rank=0)
         assert outcome(play(tokenizer, turns, "async", think, SlowUser(2))) == expected
     requests = [json.loads(line) for line in (tmp_path / "async.log").read_text().splitlines()]
     requests = [row for row in requests if row["event"] == "completions"]
@@ -210,16 +166,18 @@ def test_per_request_seeds_make_sampled_server_dialogues_independent_of_arrival_
     played, seeds = [], []
     for latency_seed in (1, 2):
         log = tmp_path / f"server{latency_seed}.log"
-        with fake_vllm_server(tiny_model_dir, log, latency=0.05, seed=latency_seed) as url:
-            turns = batched_server_generator(url, 1.0).turns(seed=5, rank=0)
+        with serving(tiny_model_dir, log, latency=0.05, seed=latency_seed) as url:
+            turns = batched_server_generator(url, 1.0).turns(seed=5, step=0, rank=0)
             played.append(outcome(play(tokenizer, turns, "async", True, SlowUser(latency_seed))))
         seeds.append(sorted(json.loads(line)["seed"] for line in log.read_text().splitlines()
                             if json.loads(line)["event"] == "completions"))
     assert played[0] == played[1] and seeds[0] == seeds[1]
     assert len(set(seeds[0])) == len(seeds[0])  # every request its own seed
-    other_rank = generation.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, rank=1)
-    this_rank = generation.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, rank=0)
+    other_rank = generation.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, step=0, rank=1)
+    this_rank = generation.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, step=0, rank=0)
     assert other_rank.request_seed((0, 0, "reply")) != this_rank.request_seed((0, 0, "reply"))
+    next_step = generation.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, step=1, rank=0)
+    assert next_step.request_seed((0, 0, "reply")) != this_rank.request_seed((0, 0, "reply"))
 
 
 def test_on_two_ranks_every_schedule_and_vllm_mode_plays_the_same_dialogues(tiny_model_dir, tmp_path):
@@ -227,15 +185,9 @@ def test_on_two_ranks_every_schedule_and_vllm_mode_plays_the_same_dialogues(tiny
     3 and 2 dialogues whose users answer after random latencies; greedy, so all four must agree, rank by rank
     (the fake vLLM's greedy completions are a function of the prompt alone, so server and colocate agree too);
     and transformers' own generate, lockstep against async."""
-    import os
-
-    with fake_vllm_server(tiny_model_dir, tmp_path / "server.log", latency=0.01) as url, \
+    with serving(tiny_model_dir, tmp_path / "server.log", latency=0.01) as url, \
             FakeOpenAIServer(respond=SlowUser(seed=4, most=0.03)) as users:
-        finished = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-             str(TESTS / "rollout_ranks.py"), str(tmp_path), str(tiny_model_dir), url, users.base_url],
-            capture_output=True, text=True, cwd=TESTS.parent, timeout=400,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"})
+        finished = two_ranks(TESTS / "rollout_ranks.py", tmp_path, tiny_model_dir, url, users.base_url)
     assert finished.returncode == 0, finished.stderr[-3000:]
     for rank, dialogues in ((0, 3), (1, 2)):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
