@@ -12,6 +12,7 @@ over `trl vllm-serve`; for evaluation, `VLLMEngineGenerator` (an in-process engi
 contexts a call. With `--rollout async` on a vLLM server, `VLLMServerTurns` takes one turn a request instead.
 The vLLM ones are rehearsed on CPU against a fake vLLM (tests/fake_vllm); none has run on a GPU.
 """
+import asyncio
 import collections
 import copy
 import hashlib
@@ -325,7 +326,7 @@ class VLLMServerTurns:
 
         self.client = openai.AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key="EMPTY",
                                          max_retries=max_retries, timeout=600)
-        self.sampling, self.seed_parts, self.model = sampling, [seed, step, rank], None
+        self.sampling, self.seed_parts, self.models = sampling, [seed, step, rank], None
 
     @classmethod
     def of_trainer(cls, trainer):
@@ -344,11 +345,12 @@ class VLLMServerTurns:
 
     async def sample(self, context: list[int], budget: int, stop: str | None, key: tuple):
         """(sampled ids, their logprobs) of one turn's phase; `key` is (dialogue id, turn, phase)."""
-        if self.model is None:
-            self.model = (await self.client.models.list()).data[0].id
+        if self.models is None:  # asked once, however many dialogues send their first turn at once
+            self.models = asyncio.ensure_future(self.client.models.list())
+        model = (await self.models).data[0].id
         extra = {name: value for name, value in self.sampling.items() if name not in ("temperature", "top_p")}
         completion = await self.client.completions.create(
-            model=self.model, prompt=context, max_tokens=budget, temperature=self.sampling["temperature"],
+            model=model, prompt=context, max_tokens=budget, temperature=self.sampling["temperature"],
             top_p=self.sampling["top_p"], seed=self.request_seed(key), logprobs=0, stop=[stop] if stop else None,
             extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True,
                         "include_stop_str_in_output": True, **extra})
