@@ -667,6 +667,17 @@ def mark_run_folder(folder, script: str, model: str, settings: dict | None = Non
                                                      "settings": settings or {}}) + "\n")
 
 
+def claim_run_folder(folder, script: str, model: str, resuming: bool, resume_flag: str, settings: dict,
+                     state) -> None:
+    """A trainer's output folder at start-up: free, or this run's own on a resume with the same settings
+    (check_run_folder); one folder that every process sees, as checkpoints hold every rank's DeepSpeed shard
+    (check_shared_folder); then marked as this run's. `state`: the Accelerator or its PartialState."""
+    check_run_folder(folder, script, model, resuming, resume_flag, settings)
+    check_shared_folder(folder, state)
+    if state.is_main_process:
+        mark_run_folder(folder, script, model, settings)
+
+
 def real_path(path) -> Path:
     """The path with its links followed (Path.resolve), or one line where the links lead back to themselves
     (resolve's RuntimeError, a traceback otherwise)."""

@@ -19,7 +19,6 @@ import json
 import os
 import shlex
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -33,11 +32,11 @@ if __name__ == "__main__":
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from datasets import Dataset
-from transformers import AutoTokenizer, PretrainedConfig, TrainerCallback
-from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 
 import generation
+import preflight
 import rollout
 import simulator
 
@@ -105,142 +104,15 @@ def parse_arguments(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser()
     dialogue_args, simulator_args, credit_args, training_args, model_args = common.parse_arguments(
-        parser, argv, hint=batch_hint)
-    try:  # TRL's dataclasses are not ours: check them here, or inf, nan or a negative temperature would fail
-        # What TRL and the Trainer refuse only after the model loaded (with a traceback), or not at all
-        # (save_steps 0 and max_steps -5 train on without the checkpoints or the steps asked for).
-        common.check_options(training_args, temperature=common.POSITIVE, learning_rate=common.NOT_NEGATIVE,
-                             per_device_train_batch_size=common.AT_LEAST_ONE, num_generations=common.AT_LEAST_ONE,
-                             gradient_accumulation_steps=common.AT_LEAST_ONE, save_steps=common.POSITIVE,
-                             max_steps=(lambda value: value == -1 or value >= 1,
-                                        "at least 1 (or -1: as many as --num_train_epochs make)"),
-                             beta=common.NOT_NEGATIVE, seed=common.SEED,
-                             data_seed=(lambda value: value is None or common.SEED[0](value), common.SEED[1]))
-        common.check_options(model_args)
-        check_turn_credit(dialogue_args, credit_args, training_args)
+        parser, argv, hint=preflight.batch_hint)
+    try:
+        preflight.check_trl_options(training_args, model_args)
+        preflight.check_turn_credit(dialogue_args, credit_args, training_args)
     except common.ArgumentError as error:
         parser.error(str(error))
     if str(training_args.resume_from_checkpoint).lower() in ("false", "none"):  # a path to transformers
         training_args.resume_from_checkpoint = None
     return dialogue_args, simulator_args, credit_args, training_args, model_args
-
-
-def check_turn_credit(dialogue_args, credit_args: TurnCreditArguments, training_args: GRPOConfig) -> None:
-    """Refuse the GRPOConfig options whose meaning turn credit would silently change. TRL writes them for one
-    advantage per dialogue; with turn credit the advantages are (rows, tokens), which TRL's loss takes as they are
-    (`DialogueGRPOTrainer`). Unchanged by that, so allowed: the token-level losses (dapo, grpo, bnpo, dr_grpo,
-    cispo, sapo, luspo at importance_sampling_level token), every vllm_importance_sampling_mode (its ratio comes
-    from the sampled tokens alone, sequence_* modes weigh all a dialogue's tokens alike whatever their advantages),
-    top_entropy_quantile, beta and delta (per token), scale_rewards group or batch (both terms in stds)."""
-    if not dialogue_args.turn_credit:
-        return
-    if training_args.importance_sampling_level == "sequence":
-        raise common.ArgumentError(
-            "--turn_credit with --importance_sampling_level sequence (GSPO): one ratio per dialogue gives each of its "
-            "tokens the gradient of the dialogue's mean advantage, so no turn would be credited apart from the others; "
-            "use --importance_sampling_level token")
-    if training_args.loss_type == "vespo":
-        raise common.ArgumentError(
-            "--turn_credit with --loss_type vespo: VESPO weighs a whole dialogue by its sequence-level ratio, shaped "
-            "by the sign of its advantage, and turn credit gives a dialogue's tokens advantages of both signs; use a "
-            "token-level --loss_type (dapo, TRL's default)")
-    if training_args.off_policy_mask_threshold is not None:
-        raise common.ArgumentError(
-            "--turn_credit with --off_policy_mask_threshold: the mask drops an off-policy dialogue with a negative "
-            "advantage, and with turn credit TRL would drop only its tokens whose advantage is negative, keeping the "
-            "rest; leave --off_policy_mask_threshold unset")
-    if training_args.scale_rewards == "none" and credit_args.turn_credit_scale == "std":
-        raise common.ArgumentError(
-            "--turn_credit with --scale_rewards none and --turn_credit_scale std: the outcome term would stay in "
-            "reward units and the turn term in standard deviations, so --turn_credit_coef would no longer weigh one "
-            "against the other; pass --turn_credit_scale bound (a fixed scale, as the outcome's), or --scale_rewards "
-            "group")
-
-
-def batch_hint(message: str) -> str:
-    """What to change, added to TRL's error when num_generations does not divide the batch."""
-    return ("; choose --num_generations dividing it, or change --per_device_train_batch_size"
-            if "divisible by num_generations" in message else "")
-
-
-def demo_defaults_kept(argv: list[str]) -> dict:
-    """The DEMO_DEFAULTS that a run with --config keeps because neither its YAML nor a flag sets them:
-    a paper-scale config must not inherit the CPU demo's LoRA, learning rate or save_strategy unnoticed."""
-    path = common.config_file(argv)
-    if path is None:
-        return {}
-    config_keys = set(common.read_config(path, make_parser(), extra_keys=("env",)))
-    flags = {arg[2:].split("=")[0] for arg in argv if arg.startswith("--")}
-    return {key: value for key, value in DEMO_DEFAULTS.items() if key not in config_keys | flags}
-
-
-def missing_trackers(report_to: list[str]) -> list[str]:
-    """The trackers of `report_to` whose package is not installed. The Trainer would find out only after
-    loading the model; names transformers does not know are left to its own error."""
-    installed = get_available_reporting_integrations()
-    # That list leaves out flyte (no check), azure_ml when mlflow is there, kubeflow without its variable.
-    checked = set(INTEGRATION_TO_CALLBACK) - {"flyte", "azure_ml", "kubeflow"}
-    return [name for name in report_to if name in checked and name not in installed]
-
-
-def check_setup(argv: list[str], training_args: GRPOConfig) -> None:
-    """Refuse what would fail after the model loaded, and warn about what would silently mislead."""
-    missing = missing_trackers(training_args.report_to)
-    if missing:
-        where = " (trackio is in requirements-gpu.txt)" if "trackio" in missing else ""
-        raise SystemExit(f"--report_to {','.join(missing)}: {' and '.join(missing)} not installed. Install it with "
-                         f"pip install {' '.join(missing)}{where}, or pass --report_to none")
-    common.check_output_folder(training_args.output_dir, "output_dir")  # not found at the first save
-    kept = demo_defaults_kept(argv)
-    if kept:
-        values = ", ".join(f"{key}={value!r}" for key, value in kept.items())
-        warnings.warn(f"{common.config_file(argv)} leaves the offline demo's values in force: {values}; "
-                      "state these keys in the config")
-    if training_args.use_vllm and training_args.vllm_enable_sleep_mode:
-        warnings.warn("--vllm_enable_sleep_mode: TRL discards vLLM's weights and KV cache after every generate call "
-                      "and pushes all the policy's weights again before the next; the rollout calls generate once "
-                      "per turn (twice with --think, more where token budgets differ), so each call pays a full "
-                      "weight sync and a prefill of the whole dialogue. Leave it off unless memory forces it (lower vllm_gpu_memory_utilization or "
-                      "max_dialogue_tokens first)")
-
-
-def check_master_weights(model_path: str, training_args: GRPOConfig, use_peft: bool) -> None:
-    """Refuse a full fine-tune of 16-bit weights without DeepSpeed, before they load. AdamW's steps of ~lr (1e-6 in
-    the recipes) are far below bf16's resolution (1/256 of a weight); DeepSpeed keeps fp32 master weights (the
-    recipes launch under accelerate_configs/zero3.yaml), but TRL and the Trainer train the weights in the dtype
-    they were loaded in (--bf16 only autocasts), so the run would silently not learn. The dtype is
-    model_init_kwargs' (--dtype); "auto" is the checkpoint's, read from its config."""
-    if use_peft or training_args.deepspeed_plugin is not None:
-        return
-    dtype = str(training_args.model_init_kwargs.get("dtype", "float32")).removeprefix("torch.")
-    source = f"--dtype {dtype}"
-    if dtype == "auto":
-        try:
-            config = PretrainedConfig.get_config_dict(model_path)[0]
-        except OSError:  # no config to read: loading the model will say what is wrong
-            return
-        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
-        source = f"--dtype auto ({model_path} is {dtype})"
-    if dtype in ("bfloat16", "float16"):
-        raise common.InputError(
-            f"a full fine-tune (--use_peft false) of {source} weights without DeepSpeed trains them in {dtype}, where "
-            "AdamW's steps of ~lr are below the weights' resolution and the model silently does not learn; launch with "
-            "accelerate launch --config_file accelerate_configs/zero3.yaml (or zero2.yaml), which keeps fp32 master "
-            "weights, or pass --dtype float32, or train LoRA (--use_peft true)")
-
-
-def check_profile_count(profile_count: int, path: str, training_args: GRPOConfig) -> None:
-    """TRL's sampler takes generation_batch_size / num_generations distinct prompts (profiles) per generation
-    batch, over all processes, and drops a remainder smaller than that: with fewer profiles it yields no
-    batch at all, and the run "finishes" at once with an untrained adapter."""
-    needed = training_args.generation_batch_size // training_args.num_generations
-    if profile_count < needed:
-        raise common.InputError(
-            f"{path}: {profile_count} profile(s), but a generation batch of {training_args.generation_batch_size} "
-            f"dialogues (--per_device_train_batch_size {training_args.per_device_train_batch_size} x "
-            f"{training_args.world_size} process(es) x {training_args.steps_per_generation} steps_per_generation), "
-            f"{training_args.num_generations} per profile, needs {needed} distinct profiles; add profiles, or lower "
-            "--per_device_train_batch_size")
 
 
 def shared_openings(runner: rollout.DialogueRunner, profiles: list, training_args: GRPOConfig) -> dict[str, str]:
@@ -333,31 +205,6 @@ def token_advantages(outcome: torch.Tensor, terms: list[list[float]], token_turn
     return outcome.unsqueeze(1) + (coef * per_token).to(outcome.dtype).to(outcome.device)
 
 
-def resume_checkpoint(training_args: GRPOConfig) -> Path:
-    """The checkpoint --resume_from_checkpoint names, checked whole; `true` (or `latest`): the newest whole
-    one in output_dir, passing over broken ones with a note."""
-    given = training_args.resume_from_checkpoint
-    if given.lower() in ("true", "latest"):
-        folder = common.newest_whole_checkpoint(training_args.output_dir, ("trainer_state.json",),
-                                                lambda note: print(note, file=sys.stderr))
-        if folder is None:
-            raise common.InputError(f"--resume_from_checkpoint {given}: no whole checkpoint in "
-                                    f"{training_args.output_dir} (one is saved every --save_steps)")
-        return folder
-    if common.real_path(given).parent != common.real_path(training_args.output_dir):
-        # Its run's settings and rows are in that folder: a resume here would check against, and add to, neither.
-        raise common.InputError(f"--resume_from_checkpoint {given}: not a checkpoint of --output_dir "
-                                f"{training_args.output_dir}; continue its run with --output_dir "
-                                f"{Path(given).parent}, or start a new run from a saved model with --model_name_or_path")
-    problem = common.checkpoint_problem(given, ("trainer_state.json",))
-    if problem:
-        newest = common.newest_whole_checkpoint(training_args.output_dir, ("trainer_state.json",), lambda note: None)
-        instead = f"; the newest whole one is {newest}" if newest else ""
-        raise common.InputError(f"--resume_from_checkpoint {given}: {problem}; give a checkpoint folder such as "
-                                f"{training_args.output_dir}/checkpoint-10{instead}, or true for the newest")
-    return Path(given)
-
-
 class StopOnCtrlC(TrainerCallback):
     """Ctrl-C (common.StopRequest, set as `request` while training): once the step in progress is done, the
     Trainer saves a full checkpoint and stops; `stopped` says it did."""
@@ -413,24 +260,21 @@ class DialogueGRPOTrainer(GRPOTrainer):
 def check_inputs(argv, dialogue_args, simulator_args, credit_args, training_args, model_args) -> tuple[str, dict]:
     """Every input that can be checked without a model, before one loads (or the simulator's endpoint is asked);
     then the run folder is marked as this run's. Returns (the model's folder, the profiles by id)."""
-    check_setup(argv, training_args)  # before anything slow
+    preflight.check_setup(argv, training_args, make_parser(), DEMO_DEFAULTS)  # before anything slow
     common.check_vllm(training_args.use_vllm)
     model_path = common.resolve_model(model_args.model_name_or_path, "model_name_or_path")
     training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
-    check_master_weights(model_path, training_args, model_args.use_peft)
+    preflight.check_master_weights(model_path, training_args, model_args.use_peft)
     profiles = {p.id: p for p in simulator.load_profiles(dialogue_args.profiles)}
     simulator.check_backend(profiles.values(), simulator_args)
     simulator.check_policy_prompts(simulator_args, dialogue_args.think)
-    check_profile_count(len(profiles), dialogue_args.profiles, training_args)
+    preflight.check_profile_count(len(profiles), dialogue_args.profiles, training_args)
     common.check_process_count(training_args.distributed_state)
     settings = common.run_settings(common.RUN_SETTINGS + GRPO_RUN_SETTINGS, dialogue_args, simulator_args,
                                    credit_args, model_args, training_args)
-    common.check_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path,
-                            bool(training_args.resume_from_checkpoint), "--resume_from_checkpoint", settings)
-    # Several nodes: checkpoints hold every rank's DeepSpeed shard and resume reads them, so one folder for all.
-    common.check_shared_folder(training_args.output_dir, training_args.distributed_state)
-    if training_args.distributed_state.is_main_process:
-        common.mark_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path, settings)
+    common.claim_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path,
+                            bool(training_args.resume_from_checkpoint), "--resume_from_checkpoint", settings,
+                            training_args.distributed_state)
     common.check_model_folder(model_path, "model_name_or_path")
     return model_path, profiles
 
@@ -438,7 +282,7 @@ def check_inputs(argv, dialogue_args, simulator_args, credit_args, training_args
 def prepare_resume(training_args: GRPOConfig, transcripts: Path) -> None:
     """--resume_from_checkpoint: the checkpoint resolved, and its later steps' transcript rows dropped (those
     steps are played again)."""
-    training_args.resume_from_checkpoint = str(resume_checkpoint(training_args))
+    training_args.resume_from_checkpoint = str(preflight.resume_checkpoint(training_args))
     state = Path(training_args.resume_from_checkpoint) / "trainer_state.json"
     trained = json.loads(state.read_text())["global_step"]
     common.check_steps_left("--resume_from_checkpoint", training_args.resume_from_checkpoint, trained,

@@ -99,14 +99,14 @@ if __name__ == "__main__":
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.tracking import get_available_trackers
-from accelerate.utils import DistributedType, LoggerType, extract_model_from_parallel, gather_object
+from accelerate.utils import DistributedType, extract_model_from_parallel, gather_object
 from peft import LoraConfig, get_peft_model
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from trl import TrlParser
 
 import generation
+import preflight
 import rollout
 import simulator
 
@@ -641,12 +641,10 @@ def main(argv=None) -> None:
     policy_path, profiles = check_inputs(args, dialogue_args, simulator_args)
     accelerator = Accelerator(log_with=None if args.report_to == "none" else args.report_to,
                               project_dir=str(output_dir))
-    check_launch(args, accelerator)
+    preflight.check_launch(args, accelerator)
     settings = common.run_settings(common.RUN_SETTINGS + PPO_RUN_SETTINGS, args, dialogue_args, simulator_args)
-    common.check_run_folder(output_dir, "train_ppo.py", args.model_name_or_path, args.resume, "--resume", settings)
-    common.check_shared_folder(output_dir, accelerator)  # several nodes: checkpoints need one folder for all
-    if accelerator.is_main_process:
-        common.mark_run_folder(output_dir, "train_ppo.py", args.model_name_or_path, settings)
+    common.claim_run_folder(output_dir, "train_ppo.py", args.model_name_or_path, args.resume, "--resume", settings,
+                            accelerator)
     transcripts, metrics_file = run_files(output_dir, accelerator)
     checkpoint, start_step = None, 0
     if args.resume:  # the files' faults (a line cut short by a kill, ...) show now, not after the models load
@@ -749,25 +747,9 @@ def parse_arguments(argv=None):
                                   argv)
 
 
-def check_tracker(report_to: str) -> None:
-    """accelerate drops a tracker whose package is missing without a word: the run would log nothing; it
-    refuses an unknown name only once the models loaded, with a traceback."""
-    available = [tracker.value for tracker in get_available_trackers()]
-    trackers = [tracker.value for tracker in LoggerType if tracker.value != "all"]
-    if report_to not in ("none", "all", *trackers):
-        raise SystemExit(f"--report_to {report_to}: not a tracker accelerate knows; give one of none, all, "
-                         f"{', '.join(trackers)}")
-    if report_to == "all" and not available:
-        raise SystemExit("--report_to all: no tracker's package is installed (pip install tensorboard, say), or "
-                         "pass --report_to none")
-    if report_to not in ("none", "all", *available):
-        raise SystemExit(f"--report_to {report_to}: its package is not installed; pip install {report_to} "
-                         "(or pass --report_to none)")
-
-
 def check_inputs(args: PPOArguments, dialogue_args, simulator_args) -> tuple[str, list]:
     """(the policy's folder, the profiles), after refusing what would fail only once the models loaded."""
-    check_tracker(args.report_to)
+    preflight.check_tracker(args.report_to)
     common.check_vllm(args.use_vllm)
     common.check_output_folder(args.output_dir, "output_dir")  # else found at the first step's writes, the step lost
     policy_path = common.resolve_model(args.model_name_or_path, "model_name_or_path")
@@ -777,22 +759,6 @@ def check_inputs(args: PPOArguments, dialogue_args, simulator_args) -> tuple[str
     simulator.check_backend(profiles, simulator_args)
     simulator.check_policy_prompts(simulator_args, dialogue_args.think)
     return policy_path, profiles
-
-
-def check_launch(args: PPOArguments, accelerator) -> None:
-    """Refuse the launches this loop cannot run, before any model loads; said by the main process only (every
-    rank refuses alike: eight ranks would say it eight times)."""
-    common.check_process_count(accelerator)
-    problem = None
-    if args.use_vllm and accelerator.num_processes > 1:
-        problem = ("--use_vllm in train_ppo.py supports a single training process (the weights are pushed from one); "
-                   "with several, generate with transformers (the default)")
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
-        problem = ("train_ppo.py does not support DeepSpeed ZeRO-3: its rollout generates with the policy's weights "
-                   "partitioned across ranks (it would hang) and its saves would hold empty tensors; launch with "
-                   "accelerate_configs/zero2.yaml")
-    if problem:
-        raise SystemExit(problem if accelerator.is_main_process else 1)
 
 
 def run_files(output_dir: Path, accelerator) -> tuple[Path, Path]:
@@ -867,7 +833,7 @@ def policy_generator(vllm_server, policy, tokenizer, args: PPOArguments, dialogu
     if vllm_server is not None:
         vllm_server.push_weights(policy)
         if dialogue_args.rollout == "async":
-            return vllm_server.turns(args.seed, step, rank=0)  # one process (check_arguments)
+            return vllm_server.turns(args.seed, step, rank=0)  # one process (preflight.check_launch)
         return vllm_server
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sampling = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import profile_row, write_jsonl
 
+import preflight
 import common
 import rollout
 import simulator
@@ -18,6 +19,8 @@ import train_grpo
 import train_ppo
 from test_official_prompts import REPO as OFFICIAL_REPO
 from test_official_prompts import needs_repo
+
+GRPO_DEMO = (train_grpo.make_parser(), train_grpo.DEMO_DEFAULTS)  # what preflight checks --config against
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINERS = {"grpo": train_grpo, "ppo": train_ppo}
@@ -103,7 +106,7 @@ def test_grpo_reads_the_config_for_its_demo_defaults_warning_through_the_same_re
     config = tmp_path / "run.yaml"
     config.write_bytes(b"learning_rate: 1.0e-6\nnote: caf\xe9\n")
     with pytest.raises(common.InputError, match=r"run.yaml:2: not UTF-8 text"):
-        train_grpo.demo_defaults_kept(["--config", str(config)])
+        preflight.demo_defaults_kept(["--config", str(config)], *GRPO_DEMO)
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)
@@ -113,7 +116,8 @@ def test_both_trainers_read_config_equals_file_as_config_file(tmp_path, trainer)
     for argv in (["--config", str(config)], [f"--config={config}"]):
         dialogue_args = TRAINERS[trainer].parse_arguments(argv)[0 if trainer == "grpo" else 1]
         assert (dialogue_args.max_turns, dialogue_args.start_emotion) == (5, 45)
-    assert train_grpo.demo_defaults_kept([f"--config={config}"]) == train_grpo.demo_defaults_kept(["--config", str(config)])
+    assert (preflight.demo_defaults_kept([f"--config={config}"], *GRPO_DEMO)
+            == preflight.demo_defaults_kept(["--config", str(config)], *GRPO_DEMO))
 
 
 def test_ppo_checks_option_values_once_the_configs_are_in(tmp_path):

@@ -12,9 +12,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import preflight
 import common
 import rollout
 import train_grpo
+
+GRPO_DEMO = (train_grpo.make_parser(), train_grpo.DEMO_DEFAULTS)  # what preflight checks --config against
 
 # --------------------------------------------------------------------------------------------
 # The effective configuration
@@ -66,10 +69,10 @@ def options_for_profile_count(batch_size: int, num_generations: int, steps_per_g
 def test_a_generation_batch_needs_as_many_profiles_as_it_has_groups():
     """6 dialogues a device x 2 steps per generation = 12, in groups of 3: 4 distinct profiles."""
     training_args = options_for_profile_count(6, 3, 2)
-    train_grpo.check_profile_count(4, "profiles.jsonl", training_args)
+    preflight.check_profile_count(4, "profiles.jsonl", training_args)
     with pytest.raises(common.InputError, match=r"profiles.jsonl: 3 profile\(s\), but a generation batch of 12 "
                                                 r"dialogues .* 3 per profile, needs 4 distinct profiles"):
-        train_grpo.check_profile_count(3, "profiles.jsonl", training_args)
+        preflight.check_profile_count(3, "profiles.jsonl", training_args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,19 +253,19 @@ def test_the_ratios_counted_as_cut_are_those_on_either_bound_among_trained_token
 def test_a_flag_set_either_way_is_not_a_demo_default_kept(tmp_path, flag):
     config = tmp_path / "run.yaml"
     config.write_text("max_steps: 3\n")
-    kept = train_grpo.demo_defaults_kept(["--config", str(config), *flag])
+    kept = preflight.demo_defaults_kept(["--config", str(config), *flag], *GRPO_DEMO)
     assert "learning_rate" not in kept and "max_steps" not in kept
-    assert "learning_rate" in train_grpo.demo_defaults_kept(["--config", str(config)])
+    assert "learning_rate" in preflight.demo_defaults_kept(["--config", str(config)], *GRPO_DEMO)
 
 
 @pytest.mark.parametrize("use_vllm, sleep, warned", [(True, True, True), (False, True, False), (True, False, False)])
 def test_the_sleep_mode_warning_needs_vllm_and_sleep_mode_both(monkeypatch, use_vllm, sleep, warned):
     import warnings
 
-    monkeypatch.setattr(train_grpo, "missing_trackers", lambda report_to: [])
-    monkeypatch.setattr(train_grpo.common, "check_output_folder", lambda *args: None)
+    monkeypatch.setattr(preflight, "missing_trackers", lambda report_to: [])
+    monkeypatch.setattr(preflight.common, "check_output_folder", lambda *args: None)
     args = SimpleNamespace(report_to=[], output_dir="unused", use_vllm=use_vllm, vllm_enable_sleep_mode=sleep)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train_grpo.check_setup([], args)
+        preflight.check_setup([], args, *GRPO_DEMO)
     assert any("vllm_enable_sleep_mode" in str(w.message) for w in caught) == warned

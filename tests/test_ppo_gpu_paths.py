@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+import preflight
 import train_ppo
 
 TESTS = Path(__file__).resolve().parent
@@ -543,14 +544,14 @@ def test_launches_the_loop_cannot_run_are_refused_before_any_model_loads(zero_st
                                   is_main_process=True)
     args = train_ppo.PPOArguments(use_vllm=use_vllm)
     if refused is None:
-        train_ppo.check_launch(args, accelerator)
+        preflight.check_launch(args, accelerator)
         return
     with pytest.raises(SystemExit, match=refused) as stopped:
-        train_ppo.check_launch(args, accelerator)
+        preflight.check_launch(args, accelerator)
     assert "\n" not in str(stopped.value) and ("zero2.yaml" in str(stopped.value) or "transformers" in str(stopped.value))
     accelerator.is_main_process = False  # the other ranks refuse too, without saying it again
     with pytest.raises(SystemExit) as stopped:
-        train_ppo.check_launch(args, accelerator)
+        preflight.check_launch(args, accelerator)
     assert stopped.value.code == 1
 
 

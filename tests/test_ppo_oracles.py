@@ -3,7 +3,6 @@ the clipped losses, reward placement, explained variance), the networks' own ful
 whole minibatch against the same update in micro-batches. Every pair of options that could be mixed up (gamma
 and lambda, the policy and value clip ranges, the two learning rates, minibatch and micro-batch sizes,
 profiles per step and dialogues per profile) holds different values here, so reading the wrong one shows."""
-import copy
 import math
 import random
 import shutil

@@ -13,8 +13,11 @@ import pytest
 import torch
 import yaml
 
+import preflight
 import train_grpo
 import train_ppo
+
+GRPO_DEMO = (train_grpo.make_parser(), train_grpo.DEMO_DEFAULTS)  # what preflight checks --config against
 
 REPO = Path(__file__).resolve().parent.parent
 GRPO_RECIPES = sorted((REPO / "recipes").glob("grpo_*.yaml"))
@@ -42,7 +45,7 @@ def test_there_are_two_grpo_and_two_ppo_recipes():
 
 @pytest.mark.parametrize("recipe", GRPO_RECIPES, ids=lambda r: r.name)
 def test_a_grpo_recipe_states_every_demo_default_so_none_leaks_in(recipe):
-    assert train_grpo.demo_defaults_kept(["--config", str(recipe)]) == {}
+    assert preflight.demo_defaults_kept(["--config", str(recipe)], *GRPO_DEMO) == {}
     assert set(train_grpo.DEMO_DEFAULTS) <= set(yaml.safe_load(recipe.read_text()))
 
 
@@ -122,19 +125,19 @@ def test_without_a_config_the_cli_demo_keeps_its_defaults():
     assert training_args.per_device_train_batch_size == 8 and training_args.max_steps == 30
     assert training_args.vllm_importance_sampling_mode == "token_truncate"  # also for --use_vllm on the CLI
     assert simulator_args.backend == "rule" and training_args.report_to == []
-    assert train_grpo.demo_defaults_kept([]) == {}
+    assert preflight.demo_defaults_kept([], *GRPO_DEMO) == {}
 
 
 def test_a_config_that_leaves_out_demo_keys_is_warned_about_by_name(tmp_path):
     config = tmp_path / "mine.yaml"
     config.write_text("model_name_or_path: Qwen/Qwen2.5-7B-Instruct\nlearning_rate: 1.0e-6\n")
     argv = ["--config", str(config), "--save_strategy", "steps"]
-    kept = train_grpo.demo_defaults_kept(argv)
+    kept = preflight.demo_defaults_kept(argv, *GRPO_DEMO)
     assert "learning_rate" not in kept and "save_strategy" not in kept  # set by the YAML, by a flag
     assert kept["use_peft"] is True and kept["lr_scheduler_type"] == "constant"
     _, _, _, training_args, _ = train_grpo.parse_arguments(argv)
     with pytest.warns(UserWarning, match=r"mine.yaml leaves the offline demo's values in force: .*use_peft=True"):
-        train_grpo.check_setup(argv, training_args)
+        preflight.check_setup(argv, training_args, *GRPO_DEMO)
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,7 +146,7 @@ def test_a_config_that_leaves_out_demo_keys_is_warned_about_by_name(tmp_path):
 
 @pytest.mark.slow
 def test_a_tracker_whose_package_is_missing_is_refused_before_any_model_loads(tmp_path):
-    if train_grpo.missing_trackers(["trackio"]) == []:
+    if preflight.missing_trackers(["trackio"]) == []:
         pytest.skip("trackio is installed here")
     finished = subprocess.run([sys.executable, str(REPO / "train_grpo.py"), "--report_to", "trackio",
                                "--model_name_or_path", str(tmp_path / "no-such-model"), "--output_dir",
@@ -155,15 +158,15 @@ def test_a_tracker_whose_package_is_missing_is_refused_before_any_model_loads(tm
 
 
 def test_only_known_trackers_that_are_not_installed_count_as_missing():
-    assert train_grpo.missing_trackers([]) == []
-    assert train_grpo.missing_trackers(["no_such_tracker"]) == []  # left to transformers' own error
+    assert preflight.missing_trackers([]) == []
+    assert preflight.missing_trackers(["no_such_tracker"]) == []  # left to transformers' own error
 
 
 def test_vllm_sleep_mode_is_warned_about_because_every_turn_would_resync_all_weights():
     argv = ["--use_vllm", "true", "--vllm_enable_sleep_mode", "true", "--bf16", "false"]
     _, _, _, training_args, _ = train_grpo.parse_arguments(argv)
     with pytest.warns(UserWarning, match="full weight sync"):
-        train_grpo.check_setup(argv, training_args)
+        preflight.check_setup(argv, training_args, *GRPO_DEMO)
 
 
 def importance_args(mode: str, clip_max: float | None = 3.0, clip_min: float | None = None):

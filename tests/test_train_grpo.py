@@ -9,9 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import preflight
 import common
 import rollout
 import train_grpo
+
+GRPO_DEMO = (train_grpo.make_parser(), train_grpo.DEMO_DEFAULTS)  # what preflight checks --config against
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -47,7 +50,8 @@ def test_paper_recipes_are_read_with_the_demo_defaults_underneath_and_leave_none
             ["--config", str(recipe), "--bf16", "false"])
         assert model_args.use_peft is False and training_args.save_strategy == "steps"
         assert (training_args.learning_rate, training_args.beta, training_args.num_generations) == (1e-6, 0.0, 4)
-        assert dialogue_args.max_turns == 8 and train_grpo.demo_defaults_kept(["--config", str(recipe)]) == {}
+        assert dialogue_args.max_turns == 8
+        assert preflight.demo_defaults_kept(["--config", str(recipe)], *GRPO_DEMO) == {}
 
 
 def master_weights_check(*argv: str, deepspeed: bool = False, model: str = "Qwen/Qwen2.5-7B-Instruct") -> None:
@@ -57,7 +61,7 @@ def master_weights_check(*argv: str, deepspeed: bool = False, model: str = "Qwen
     _, _, _, training_args, model_args = train_grpo.parse_arguments([*argv, "--bf16", "false"])
     training_args.model_init_kwargs = {"dtype": model_args.dtype}
     training_args.deepspeed_plugin = object() if deepspeed else None
-    train_grpo.check_master_weights(model, training_args, model_args.use_peft)
+    preflight.check_master_weights(model, training_args, model_args.use_peft)
 
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("grpo_*.yaml")), ids=lambda recipe: recipe.name)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import preflight
 import common
 import rollout
 import train_ppo
@@ -693,11 +694,11 @@ def test_ctrl_c_reaching_one_rank_stops_both_after_the_same_step_with_one_whole_
 ])
 def test_a_tracker_accelerate_would_refuse_after_loading_or_silently_drop_is_refused_first(report_to, message,
                                                                                             monkeypatch):
-    monkeypatch.setattr(train_ppo, "get_available_trackers", lambda: [])
+    monkeypatch.setattr(preflight, "get_available_trackers", lambda: [])
     with pytest.raises(SystemExit) as stopped:
-        train_ppo.check_tracker(report_to)
+        preflight.check_tracker(report_to)
     assert str(stopped.value.code).startswith(message)
-    train_ppo.check_tracker("none")
+    preflight.check_tracker("none")
 
 
 def test_a_run_folder_removed_while_training_stops_the_run_instead_of_making_a_new_one(tiny_model_dir, tmp_path,

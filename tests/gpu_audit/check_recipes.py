@@ -14,7 +14,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.commands.config.config_args import load_config_from_file  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 from trl import GRPOConfig, ModelConfig, TrlParser  # noqa: E402
-import rollout, simulator, train_grpo, train_ppo  # noqa: E402,E401
+import preflight, rollout, simulator, train_grpo, train_ppo  # noqa: E402,E401
 for recipe in sorted(glob.glob(os.path.join(REPO, "recipes", "grpo_*.yaml"))):
     parser = TrlParser((rollout.DialogueArguments, simulator.SimulatorArguments, GRPOConfig, ModelConfig))
     parser.set_defaults(**train_grpo.DEMO_DEFAULTS)  # as train_grpo.main() does
@@ -33,7 +33,8 @@ try:
 except ImportError:
     pinned = [line for line in open(os.path.join(REPO, "requirements-gpu.txt")) if line.startswith("trackio==")]
     print("trackio: not installed here;", f"pinned in requirements-gpu.txt ({pinned[0].split()[0]})" if pinned
-          else "NOT in requirements-gpu.txt", "| train_grpo refuses it missing:", train_grpo.missing_trackers(["trackio"]))
+          else "NOT in requirements-gpu.txt", "| train_grpo refuses it missing:",
+          preflight.missing_trackers(["trackio"]))
 acc = Accelerator()
 acc.state.distributed_type = DistributedType.DEEPSPEED  # what zero2.yaml selects
 p, c = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)

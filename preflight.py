@@ -1,0 +1,213 @@
+"""The trainers' start-up checks: what train_grpo.py and train_ppo.py refuse, or warn about, before a model
+loads, so that a mistake costs seconds, not a model load and a traceback. Kept apart so that the training
+scripts read as their algorithm; each trainer's `check_inputs` lists the checks it runs, in order."""
+import sys
+import warnings
+from pathlib import Path
+
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import DistributedType, LoggerType
+from transformers import PretrainedConfig
+from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+from trl import GRPOConfig
+
+import common
+
+
+# --------------------------------------------------------------------------------------------
+# GRPO (train_grpo.py)
+# --------------------------------------------------------------------------------------------
+
+def check_trl_options(training_args: GRPOConfig, model_args) -> None:
+    """TRL's dataclasses are not ours: check their values here, or inf, nan or a negative temperature would
+    fail only after the model loaded (with a traceback), or not at all (save_steps 0 and max_steps -5 train on
+    without the checkpoints or the steps asked for)."""
+    common.check_options(training_args, temperature=common.POSITIVE, learning_rate=common.NOT_NEGATIVE,
+                         per_device_train_batch_size=common.AT_LEAST_ONE, num_generations=common.AT_LEAST_ONE,
+                         gradient_accumulation_steps=common.AT_LEAST_ONE, save_steps=common.POSITIVE,
+                         max_steps=(lambda value: value == -1 or value >= 1,
+                                    "at least 1 (or -1: as many as --num_train_epochs make)"),
+                         beta=common.NOT_NEGATIVE, seed=common.SEED,
+                         data_seed=(lambda value: value is None or common.SEED[0](value), common.SEED[1]))
+    common.check_options(model_args)
+
+
+def check_turn_credit(dialogue_args, credit_args, training_args: GRPOConfig) -> None:
+    """Refuse the GRPOConfig options whose meaning turn credit would silently change. TRL writes them for one
+    advantage per dialogue; with turn credit the advantages are (rows, tokens), which TRL's loss takes as they are
+    (`DialogueGRPOTrainer`). Unchanged by that, so allowed: the token-level losses (dapo, grpo, bnpo, dr_grpo,
+    cispo, sapo, luspo at importance_sampling_level token), every vllm_importance_sampling_mode (its ratio comes
+    from the sampled tokens alone, sequence_* modes weigh all a dialogue's tokens alike whatever their advantages),
+    top_entropy_quantile, beta and delta (per token), scale_rewards group or batch (both terms in stds)."""
+    if not dialogue_args.turn_credit:
+        return
+    if training_args.importance_sampling_level == "sequence":
+        raise common.ArgumentError(
+            "--turn_credit with --importance_sampling_level sequence (GSPO): one ratio per dialogue gives each of its "
+            "tokens the gradient of the dialogue's mean advantage, so no turn would be credited apart from the others; "
+            "use --importance_sampling_level token")
+    if training_args.loss_type == "vespo":
+        raise common.ArgumentError(
+            "--turn_credit with --loss_type vespo: VESPO weighs a whole dialogue by its sequence-level ratio, shaped "
+            "by the sign of its advantage, and turn credit gives a dialogue's tokens advantages of both signs; use a "
+            "token-level --loss_type (dapo, TRL's default)")
+    if training_args.off_policy_mask_threshold is not None:
+        raise common.ArgumentError(
+            "--turn_credit with --off_policy_mask_threshold: the mask drops an off-policy dialogue with a negative "
+            "advantage, and with turn credit TRL would drop only its tokens whose advantage is negative, keeping the "
+            "rest; leave --off_policy_mask_threshold unset")
+    if training_args.scale_rewards == "none" and credit_args.turn_credit_scale == "std":
+        raise common.ArgumentError(
+            "--turn_credit with --scale_rewards none and --turn_credit_scale std: the outcome term would stay in "
+            "reward units and the turn term in standard deviations, so --turn_credit_coef would no longer weigh one "
+            "against the other; pass --turn_credit_scale bound (a fixed scale, as the outcome's), or --scale_rewards "
+            "group")
+
+
+def batch_hint(message: str) -> str:
+    """What to change, added to TRL's error when num_generations does not divide the batch."""
+    return ("; choose --num_generations dividing it, or change --per_device_train_batch_size"
+            if "divisible by num_generations" in message else "")
+
+
+def demo_defaults_kept(argv: list[str], parser, demo_defaults: dict) -> dict:
+    """The demo defaults (train_grpo.DEMO_DEFAULTS, set on `parser`) that a run with --config keeps because
+    neither its YAML nor a flag sets them: a paper-scale config must not inherit the CPU demo's LoRA,
+    learning rate or save_strategy unnoticed."""
+    path = common.config_file(argv)
+    if path is None:
+        return {}
+    config_keys = set(common.read_config(path, parser, extra_keys=("env",)))
+    flags = {arg[2:].split("=")[0] for arg in argv if arg.startswith("--")}
+    return {key: value for key, value in demo_defaults.items() if key not in config_keys | flags}
+
+
+def missing_trackers(report_to: list[str]) -> list[str]:
+    """The trackers of `report_to` whose package is not installed. The Trainer would find out only after
+    loading the model; names transformers does not know are left to its own error."""
+    installed = get_available_reporting_integrations()
+    # That list leaves out flyte (no check), azure_ml when mlflow is there, kubeflow without its variable.
+    checked = set(INTEGRATION_TO_CALLBACK) - {"flyte", "azure_ml", "kubeflow"}
+    return [name for name in report_to if name in checked and name not in installed]
+
+
+def check_setup(argv: list[str], training_args: GRPOConfig, parser, demo_defaults: dict) -> None:
+    """Refuse what would fail after the model loaded, and warn about what would silently mislead."""
+    missing = missing_trackers(training_args.report_to)
+    if missing:
+        where = " (trackio is in requirements-gpu.txt)" if "trackio" in missing else ""
+        raise SystemExit(f"--report_to {','.join(missing)}: {' and '.join(missing)} not installed. Install it with "
+                         f"pip install {' '.join(missing)}{where}, or pass --report_to none")
+    common.check_output_folder(training_args.output_dir, "output_dir")  # not found at the first save
+    kept = demo_defaults_kept(argv, parser, demo_defaults)
+    if kept:
+        values = ", ".join(f"{key}={value!r}" for key, value in kept.items())
+        warnings.warn(f"{common.config_file(argv)} leaves the offline demo's values in force: {values}; "
+                      "state these keys in the config")
+    if training_args.use_vllm and training_args.vllm_enable_sleep_mode:
+        warnings.warn("--vllm_enable_sleep_mode: TRL discards vLLM's weights and KV cache after every generate call "
+                      "and pushes all the policy's weights again before the next; the rollout calls generate once "
+                      "per turn (twice with --think, more where token budgets differ), so each call pays a full "
+                      "weight sync and a prefill of the whole dialogue. Leave it off unless memory forces it (lower vllm_gpu_memory_utilization or "
+                      "max_dialogue_tokens first)")
+
+
+def check_master_weights(model_path: str, training_args: GRPOConfig, use_peft: bool) -> None:
+    """Refuse a full fine-tune of 16-bit weights without DeepSpeed, before they load. AdamW's steps of ~lr (1e-6 in
+    the recipes) are far below bf16's resolution (1/256 of a weight); DeepSpeed keeps fp32 master weights (the
+    recipes launch under accelerate_configs/zero3.yaml), but TRL and the Trainer train the weights in the dtype
+    they were loaded in (--bf16 only autocasts), so the run would silently not learn. The dtype is
+    model_init_kwargs' (--dtype); "auto" is the checkpoint's, read from its config."""
+    if use_peft or training_args.deepspeed_plugin is not None:
+        return
+    dtype = str(training_args.model_init_kwargs.get("dtype", "float32")).removeprefix("torch.")
+    source = f"--dtype {dtype}"
+    if dtype == "auto":
+        try:
+            config = PretrainedConfig.get_config_dict(model_path)[0]
+        except OSError:  # no config to read: loading the model will say what is wrong
+            return
+        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+        source = f"--dtype auto ({model_path} is {dtype})"
+    if dtype in ("bfloat16", "float16"):
+        raise common.InputError(
+            f"a full fine-tune (--use_peft false) of {source} weights without DeepSpeed trains them in {dtype}, where "
+            "AdamW's steps of ~lr are below the weights' resolution and the model silently does not learn; launch with "
+            "accelerate launch --config_file accelerate_configs/zero3.yaml (or zero2.yaml), which keeps fp32 master "
+            "weights, or pass --dtype float32, or train LoRA (--use_peft true)")
+
+
+def check_profile_count(profile_count: int, path: str, training_args: GRPOConfig) -> None:
+    """TRL's sampler takes generation_batch_size / num_generations distinct prompts (profiles) per generation
+    batch, over all processes, and drops a remainder smaller than that: with fewer profiles it yields no
+    batch at all, and the run "finishes" at once with an untrained adapter."""
+    needed = training_args.generation_batch_size // training_args.num_generations
+    if profile_count < needed:
+        raise common.InputError(
+            f"{path}: {profile_count} profile(s), but a generation batch of {training_args.generation_batch_size} "
+            f"dialogues (--per_device_train_batch_size {training_args.per_device_train_batch_size} x "
+            f"{training_args.world_size} process(es) x {training_args.steps_per_generation} steps_per_generation), "
+            f"{training_args.num_generations} per profile, needs {needed} distinct profiles; add profiles, or lower "
+            "--per_device_train_batch_size")
+
+
+
+def resume_checkpoint(training_args: GRPOConfig) -> Path:
+    """The checkpoint --resume_from_checkpoint names, checked whole; `true` (or `latest`): the newest whole
+    one in output_dir, passing over broken ones with a note."""
+    given = training_args.resume_from_checkpoint
+    if given.lower() in ("true", "latest"):
+        folder = common.newest_whole_checkpoint(training_args.output_dir, ("trainer_state.json",),
+                                                lambda note: print(note, file=sys.stderr))
+        if folder is None:
+            raise common.InputError(f"--resume_from_checkpoint {given}: no whole checkpoint in "
+                                    f"{training_args.output_dir} (one is saved every --save_steps)")
+        return folder
+    if common.real_path(given).parent != common.real_path(training_args.output_dir):
+        # Its run's settings and rows are in that folder: a resume here would check against, and add to, neither.
+        raise common.InputError(f"--resume_from_checkpoint {given}: not a checkpoint of --output_dir "
+                                f"{training_args.output_dir}; continue its run with --output_dir "
+                                f"{Path(given).parent}, or start a new run from a saved model with --model_name_or_path")
+    problem = common.checkpoint_problem(given, ("trainer_state.json",))
+    if problem:
+        newest = common.newest_whole_checkpoint(training_args.output_dir, ("trainer_state.json",), lambda note: None)
+        instead = f"; the newest whole one is {newest}" if newest else ""
+        raise common.InputError(f"--resume_from_checkpoint {given}: {problem}; give a checkpoint folder such as "
+                                f"{training_args.output_dir}/checkpoint-10{instead}, or true for the newest")
+    return Path(given)
+
+
+# --------------------------------------------------------------------------------------------
+# PPO (train_ppo.py)
+# --------------------------------------------------------------------------------------------
+
+def check_tracker(report_to: str) -> None:
+    """accelerate drops a tracker whose package is missing without a word: the run would log nothing; it
+    refuses an unknown name only once the models loaded, with a traceback."""
+    available = [tracker.value for tracker in get_available_trackers()]
+    trackers = [tracker.value for tracker in LoggerType if tracker.value != "all"]
+    if report_to not in ("none", "all", *trackers):
+        raise SystemExit(f"--report_to {report_to}: not a tracker accelerate knows; give one of none, all, "
+                         f"{', '.join(trackers)}")
+    if report_to == "all" and not available:
+        raise SystemExit("--report_to all: no tracker's package is installed (pip install tensorboard, say), or "
+                         "pass --report_to none")
+    if report_to not in ("none", "all", *available):
+        raise SystemExit(f"--report_to {report_to}: its package is not installed; pip install {report_to} "
+                         "(or pass --report_to none)")
+
+
+def check_launch(args, accelerator) -> None:
+    """Refuse the launches this loop cannot run, before any model loads; said by the main process only (every
+    rank refuses alike: eight ranks would say it eight times)."""
+    common.check_process_count(accelerator)
+    problem = None
+    if args.use_vllm and accelerator.num_processes > 1:
+        problem = ("--use_vllm in train_ppo.py supports a single training process (the weights are pushed from one); "
+                   "with several, generate with transformers (the default)")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        problem = ("train_ppo.py does not support DeepSpeed ZeRO-3: its rollout generates with the policy's weights "
+                   "partitioned across ranks (it would hang) and its saves would hold empty tensors; launch with "
+                   "accelerate_configs/zero2.yaml")
+    if problem:
+        raise SystemExit(problem if accelerator.is_main_process else 1)
