@@ -403,6 +403,24 @@ def exit_interrupted(message: str):
     raise SystemExit(130)
 
 
+def run_trainer(main, resume_flag: str) -> None:
+    """Run a trainer's `main`, saying in one line, without a traceback, what the user can fix: bad input or an
+    endpoint, a full disk (OSError), a lost process, Ctrl-C outside a training step (inside one, the trainer
+    saves first). Each line says how to continue from the checkpoints, which are whole."""
+    kept = f"the checkpoints in --output_dir are whole (continue from the newest with {resume_flag})"
+    try:
+        main()
+    except (InputError, EndpointError) as error:  # the simulator's errors are EndpointErrors
+        raise SystemExit(f"error: {error}") from None
+    except OSError as error:  # a full disk, a name too long, a folder removed while writing
+        raise SystemExit(f"error: {error} (fix it: {kept})") from None
+    except RuntimeError as error:
+        exit_if_lost_process(error, resume_flag)
+        raise
+    except KeyboardInterrupt:
+        exit_interrupted(f"outside a training step: nothing new saved; {kept}")
+
+
 class StopRequest:
     """Ctrl-C in a training run. The first asks the run to stop once the step in progress is done, with a
     checkpoint (a step cut in half would save weights half-updated); a second quits at once, saving nothing.

@@ -289,7 +289,7 @@ def play_local(args, simulator_args, chat, profiles, done: set, output: Path, pr
     made_by = run_record(args, simulator_args)
     folder, tokenizer = generation.load_tokenizer(args)
     runner = rollout.DialogueRunner(tokenizer, benchmark_dialogues(args), simulator_args, chat)
-    lost = []  # scenarios whose simulated user failed past its retries: not written, so a rerun plays them
+    failed = []  # scenarios whose simulated user failed past its retries: not written, so a rerun plays them
     try:
         for profile in profiles:  # a --max_dialogue_tokens too small for a prompt fails before the weights load
             runner.prompt_ids(profile, profile.first_talk)
@@ -301,17 +301,17 @@ def play_local(args, simulator_args, chat, profiles, done: set, output: Path, pr
                 continue
             torch.manual_seed(args.seed + index)
             dialogues = runner.run([(p, p.first_talk) for p in batch], generate)
-            lost += [d for d in dialogues if d.failure is not None]
+            failed += [d for d in dialogues if d.failure is not None]
             rows = [{**d.simulator.result_row(d.think_texts), "made_by": made_by} for d in dialogues
                     if d.failure is None]
             append_rows(output, rows)
             progress(rows)
     finally:
         runner.close()
-    if lost:
+    if failed:
         raise simulator.SimulatorError(
-            f"{len(lost)} scenario(s) lost their simulated user and were not written ({lost[0].profile.id}: "
-            f"{lost[0].failure}); rerun the same command to play them again")
+            f"{len(failed)} scenario(s) whose simulated user failed were not written ({failed[0].profile.id}: "
+            f"{failed[0].failure}); rerun the same command to play them again")
 
 
 async def play_endpoint(args, simulator_args, chat, profiles, done: set, output: Path, progress) -> None:

@@ -1,6 +1,7 @@
 """The trainers' start-up checks: what train_grpo.py and train_ppo.py refuse, or warn about, before a model
 loads, so that a mistake costs seconds, not a model load and a traceback. Kept apart so that the training
 scripts read as their algorithm; each trainer's `check_inputs` lists the checks it runs, in order."""
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -12,6 +13,7 @@ from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK,
 from trl import GRPOConfig
 
 import common
+import rollout
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,6 +177,18 @@ def resume_checkpoint(training_args: GRPOConfig) -> Path:
         raise common.InputError(f"--resume_from_checkpoint {given}: {problem}; give a checkpoint folder such as "
                                 f"{training_args.output_dir}/checkpoint-10{instead}, or true for the newest")
     return Path(given)
+
+
+def prepare_resume(training_args: GRPOConfig, transcripts: Path) -> None:
+    """--resume_from_checkpoint: the checkpoint resolved and checked whole, and the transcript rows of its later
+    steps dropped (those steps are played again)."""
+    training_args.resume_from_checkpoint = str(resume_checkpoint(training_args))
+    state = Path(training_args.resume_from_checkpoint) / "trainer_state.json"
+    trained = json.loads(state.read_text())["global_step"]
+    common.check_steps_left("--resume_from_checkpoint", training_args.resume_from_checkpoint, trained,
+                            training_args.max_steps)
+    for path in [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]:
+        rollout.keep_rows_before(path, trained)
 
 
 # --------------------------------------------------------------------------------------------

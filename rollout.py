@@ -615,7 +615,7 @@ def dialogue_metrics(columns: dict[str, list], max_turns: int) -> dict[str, floa
     metrics.update({"simulator/calls": calls.calls, "simulator/retries": calls.retries,
                     "simulator/failed_calls": calls.failed, "simulator/prompt_tokens": calls.prompt_tokens,
                     "simulator/completion_tokens": calls.completion_tokens})
-    scored = [i for i, lost in enumerate(columns["failed"]) if not lost]
+    scored = [i for i, failed in enumerate(columns["failed"]) if not failed]
     if not scored:
         return metrics
 
@@ -641,11 +641,11 @@ def dialogue_metrics(columns: dict[str, list], max_turns: int) -> dict[str, floa
 
 
 class TooManySimulatorFailures(simulator.SimulatorError):
-    """More of a batch's dialogues lost their simulator than `max_failed_share` allows."""
+    """More of a batch's dialogues had their simulator fail than `max_failed_share` allows."""
 
 
 def check_failures(dialogues: list[Dialogue], max_failed_share: float, accelerator=None) -> None:
-    """Raise when too many of a step's dialogues lost their simulator. With several processes the
+    """Raise when the simulators of too many of a step's dialogues failed. With several processes the
     decision is over all ranks' dialogues, and every rank makes it: a rank stopping alone would start
     saving a checkpoint (collectives) that the others never join, and the job would hang."""
     failed = [d for d in dialogues if d.failure is not None]
@@ -658,7 +658,7 @@ def check_failures(dialogues: list[Dialogue], max_failed_share: float, accelerat
     if failed_count and (failed_count > max_failed_share * total or failed_count == total):
         last_error = next(error for _, _, error in reversed(counts) if error is not None)
         raise TooManySimulatorFailures(
-            f"{failed_count} of {total} dialogues lost their simulator, more than max_failed_share="
+            f"the simulators of {failed_count} of {total} dialogues failed, more than max_failed_share="
             f"{max_failed_share} allows; check the simulator endpoint. Last error: {last_error}")
 
 

@@ -15,7 +15,6 @@ paper trained each turn as its own row); the defaults are a CPU demo (`DEMO_DEFA
 paper's values. The details (start-up checks, turn credit, vLLM's importance sampling, the metrics) are in
 docs/training.md, docs/gpu.md and docs/usage.md.
 """
-import json
 import os
 import shlex
 import sys
@@ -70,20 +69,16 @@ DEMO_DEFAULTS = dict(
 
 @dataclass
 class TurnCreditArguments:
-    """How turn-level credit (`--turn_credit`, rollout.DialogueArguments; off by default: the paper rewards the
-    final emotion only) adds each policy turn's centred emotion change to the advantage of that turn's tokens.
-    See `turn_terms` for what each option does."""
+    """How `--turn_credit` (rollout.DialogueArguments; off by default, as in the paper) adds each policy turn's
+    centred emotion change to the advantage of that turn's tokens (`turn_terms`)."""
 
-    # Half the weight of the outcome term: the final emotion (the paper's reward, and what the benchmark
-    # scores) stays the larger part of a token's advantage, and a turn that moved the user more than its
-    # group's turns did at that point gets extra credit on top.
+    # Half: the final emotion (the paper's reward, what the benchmark scores) stays the larger part.
     turn_credit_coef: float = field(default=0.5, metadata={"help": "weight of the turn term (the outcome term has 1)"})
-    # Compared at the same turn: the first reply meets a fresh opening, later ones a user already moved, so
-    # changes differ by position; comparing like with like is what GRPO's group does for whole dialogues.
+    # The first reply meets a fresh opening, later ones a user already moved: compare like with like.
     turn_credit_baseline: Literal["turn", "group"] = field(default="turn", metadata={
         "help": "turn: centre on the group's changes at the same turn; group: on all the group's turns"})
-    # std: unitless, as TRL's default scale_rewards="group" makes the outcome term. bound: a fixed scale
-    # (the change bound), which does not inflate a group whose changes barely differ.
+    # std: unitless, as TRL's scale_rewards="group" makes the outcome term; bound: a fixed scale, which does
+    # not inflate a group whose changes barely differ.
     turn_credit_scale: Literal["std", "bound"] = field(default="std", metadata={
         "help": "std: divide by the std of the changes compared; bound: by the simulator's change bound"})
 
@@ -142,8 +137,8 @@ def make_emotion_reward(dialogue_args: rollout.DialogueArguments):
         if log_metric is not None:
             for name, value in rollout.dialogue_metrics(columns, dialogue_args.max_turns).items():
                 log_metric(name, value)
-        return [None if lost else rollout.reward(emotion, violations, turns, dialogue_args.format_penalty)
-                for emotion, violations, turns, lost in zip(columns["final_emotion"], columns["format_violations"],
+        return [None if failed else rollout.reward(emotion, violations, turns, dialogue_args.format_penalty)
+                for emotion, violations, turns, failed in zip(columns["final_emotion"], columns["format_violations"],
                                                             columns["turns"], columns["failed"])]
 
     return emotion_reward
@@ -218,14 +213,10 @@ class StopOnCtrlC(TrainerCallback):
 
 
 class DialogueGRPOTrainer(GRPOTrainer):
-    """TRL's GRPOTrainer plus:
-    - with `turn_credit` on, token-level advantages: TRL's group-normalised outcome advantage of the dialogue
-      plus `turn_credit_coef` x the turn term (`turn_terms`) on each policy turn's sampled tokens. TRL 1.16's
-      loss takes advantages of shape (rows, tokens) as they are (it unsqueezes only 1-D ones). Off, the
-      batch is TRL's, untouched.
-    - one metric TRL lacks: `sampling/importance_sampling_ratio/clipped_share`, the share of trained tokens
-      (all ranks) whose vLLM importance ratio was clipped or zeroed. TRL logs only the ratio's min, mean and
-      max, which cannot tell one clipped token from half the batch."""
+    """TRL's GRPOTrainer plus, with --turn_credit, token-level advantages (the dialogue's outcome advantage, TRL's,
+    plus turn_credit_coef x the turn term on each turn's sampled tokens; TRL's loss takes (rows, tokens) as they
+    are), and `sampling/importance_sampling_ratio/clipped_share`, the share of trained tokens whose vLLM
+    importance ratio was cut (TRL logs only the ratio's min, mean and max)."""
 
     def __init__(self, *args, credit: TurnCreditArguments | None, change_bound: int, **kwargs):
         """`credit`: how turn credit is given, or None without --turn_credit."""
@@ -238,7 +229,7 @@ class DialogueGRPOTrainer(GRPOTrainer):
             # TRL has merged the rollout's per-row fields into `inputs`; groups may span ranks, as for the
             # outcome, so the terms are computed over every rank's rows and this rank's are taken.
             rows = gather_object([(row["turn_changes"], row["failed"]) for row in inputs])
-            terms = turn_terms([changes for changes, _ in rows], [lost for _, lost in rows], self.num_generations,
+            terms = turn_terms([changes for changes, _ in rows], [failed for _, failed in rows], self.num_generations,
                                self.credit.turn_credit_baseline, self.credit.turn_credit_scale,
                                self.change_bound)
             first = self.accelerator.process_index * len(inputs)
@@ -279,20 +270,8 @@ def check_inputs(argv, dialogue_args, simulator_args, credit_args, training_args
     return model_path, profiles
 
 
-def prepare_resume(training_args: GRPOConfig, transcripts: Path) -> None:
-    """--resume_from_checkpoint: the checkpoint resolved, and its later steps' transcript rows dropped (those
-    steps are played again)."""
-    training_args.resume_from_checkpoint = str(preflight.resume_checkpoint(training_args))
-    state = Path(training_args.resume_from_checkpoint) / "trainer_state.json"
-    trained = json.loads(state.read_text())["global_step"]
-    common.check_steps_left("--resume_from_checkpoint", training_args.resume_from_checkpoint, trained,
-                            training_args.max_steps)
-    for path in [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]:
-        rollout.keep_rows_before(path, trained)
-
-
 def train_and_save(trainer: DialogueGRPOTrainer, training_args: GRPOConfig, runner) -> None:
-    """Train; save after a step that lost too many simulated users, or after Ctrl-C; save the model at the end."""
+    """Train; save after a step where too many simulators failed, or after Ctrl-C; save the model at the end."""
     stop_on_ctrl_c = StopOnCtrlC()
     trainer.add_callback(stop_on_ctrl_c)
     with common.StopRequest(show=trainer.accelerator.is_main_process) as stop_on_ctrl_c.request:
@@ -326,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     model_path, profiles = check_inputs(argv, dialogue_args, simulator_args, credit_args, training_args, model_args)
     transcripts = Path(training_args.output_dir) / "transcripts.jsonl"
     if training_args.resume_from_checkpoint:
-        prepare_resume(training_args, transcripts)
+        preflight.prepare_resume(training_args, transcripts)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, simulator.make_chat(simulator_args))
     runner.check_chat()  # fail now, not after loading the model
@@ -362,16 +341,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.16
-    try:
-        main()
-    except (common.InputError, common.EndpointError, simulator.SimulatorError) as error:  # say what, no traceback
-        raise SystemExit(f"error: {error}") from None
-    except OSError as error:  # a full disk, a name too long, a folder removed while writing
-        raise SystemExit(f"error: {error} (the checkpoints saved before it are whole: fix it, then continue from "
-                         "the newest with --resume_from_checkpoint true)") from None
-    except RuntimeError as error:
-        common.exit_if_lost_process(error, "--resume_from_checkpoint true")
-        raise
-    except KeyboardInterrupt:  # during a step, StopOnCtrlC saves first; this is set-up or the final save
-        common.exit_interrupted("outside a training step: nothing new saved; the checkpoints in --output_dir are "
-                                "whole (continue from the newest with --resume_from_checkpoint true)")
+    common.run_trainer(main, "--resume_from_checkpoint true")

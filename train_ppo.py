@@ -1,86 +1,25 @@
-"""PPO against a simulated user: our own readable loop on Accelerate (TRL >= 1.13 has no PPOTrainer).
+"""PPO against a simulated user: our own loop on Accelerate (TRL >= 1.13 has no PPOTrainer), read top to bottom.
 
-    accelerate launch train_ppo.py            # offline demo, reply only (2 CPU cores)
-    accelerate launch train_ppo.py --think    # offline demo, think then reply
-    accelerate launch --config_file accelerate_configs/zero2.yaml train_ppo.py \\
-        --config recipes/ppo_qwen2.5-7b_think.yaml
+    accelerate launch train_ppo.py            # the offline demo: the packaged SmolLM2 with LoRA vs the rule user
+    accelerate launch train_ppo.py --think    # the same, thinking before each reply
+    accelerate launch --config_file accelerate_configs/zero2.yaml train_ppo.py \
+        --config recipes/ppo_qwen2.5-7b_think.yaml    # the paper's run: GPUs, an LLM simulated user
 
-One step:
-1. Rollout. `rollout.py` plays `profiles_per_step x dialogues_per_profile` dialogues (each group
-   shares a profile and its opening line). A row is one whole dialogue: prompt + completion, with
-   `env_mask` = 1 on the tokens the policy sampled (its actions) and 0 on everything inserted.
-2. Old log-probs (policy) and values (critic) at every action, computed once from the batch. The
-   value of an action is the critic's estimate at the state just before it was sampled. The first
-   micro-batch's pass doubles as its training pass (nothing has changed yet), so the demo, with one
-   minibatch of one micro-batch per batch, makes one forward pass per network per step.
-3. Reward: final emotion / 100 (minus the optional format penalty), placed on the last token the
-   policy sampled; with kl_coef > 0, minus kl_coef * (logp - ref_logp) on every action (a frozen
-   reference is loaded only then; the paper used none). With `--turn_credit`, each policy turn's
-   emotion change / 100 is placed on that turn's last sampled token instead (the format penalty on the
-   last turn's). The changes sum to (final - start) / 100, so with gamma = lambda = 1 a token of turn k
-   has the return (final - emotion before turn k) / 100 instead of final / 100. What does not change:
-   under a critic that knew the emotion so far (it is in the state) the advantages would be the same,
-   and the whitened constant start / 100 is nothing. What changes: the part of the return earned before
-   turn k, which turn k could not affect, is no longer left for the critic to learn or, until it has,
-   carried as noise in turn k's advantage; a first reply that lost the user is no longer credited with
-   the recovery a later reply made. With gamma < 1, later turns' changes are discounted per token.
-4. GAE over the policy's actions only: the actions of a dialogue, in order, form one chain.
-   Inserted tokens (user turns) are not actions: they get no advantage, and the bootstrap runs from
-   the last action of one turn to the first action of the next across them. gamma = lambda = 1.
-   Advantages are whitened over the actions of the batch: with several processes, every rank's.
-5. `ppo_epochs` passes over shuffled minibatches of dialogues: clipped policy loss, entropy bonus,
-   clipped value loss, one optimizer step per minibatch. With several processes a minibatch is every
-   rank's share of it and its losses are means over all their actions; ranks holding different numbers
-   of rows (a dialogue lost to its simulator, per-turn rows) still make the same passes and steps, a
-   rank short of rows passing a row without actions (ppo_update). A minibatch's rows go through the networks
-   `micro_batch_size` at a time (default: all at once), their gradients accumulated; the policy's
-   log-probs are scored LOGPROB_CHUNK action positions at a time, each chunk recomputed in the
-   backward pass, so that one chunk's logits live at once. Policy and critic are one module with one
-   optimizer (a parameter group, and learning rate, per network): accelerate under DeepSpeed prepares
-   one model per Accelerator. Each network's gradients are clipped to max_grad_norm on their own;
-   under DeepSpeed the engine clips instead, the norm of both networks together (its
-   `gradient_clipping`, set to max_grad_norm).
+One step, as `main` numbers it:
+1. Rollout (`rollout.py`): profiles_per_step x dialogues_per_profile dialogues. A row is one whole dialogue,
+   its action mask 1 on the tokens the policy sampled and 0 on everything inserted (user turns, tags).
+2. Old log-probs (policy) and values (critic) at every action.
+3. Rewards: final emotion / 100 on the dialogue's last action (with --turn_credit, each turn's emotion
+   change / 100 on that turn's last action), minus kl_coef x (logp - ref_logp) on every action.
+4. GAE over the actions only: a dialogue's actions form one chain across the user turns between them.
+   Advantages are whitened over the batch's actions (every rank's).
+5. Clipped policy loss, clipped value loss and an entropy bonus, token means over each minibatch's
+   actions; one optimizer step per minibatch.
 
-Simplifications, on purpose: losses are means over action tokens of the minibatch (token-mean);
-the critic is a separate network (initialised from the policy, or from `critic_model_name_or_path`)
-with a zero-initialised linear value head. By default one dialogue is one row (the policy keeps
-its earlier thoughts, as in train_grpo.py); `--per_turn_rows` trains the paper's layout instead,
-each policy turn a row whose context drops earlier thoughts, all rows sharing the dialogue's
-reward. Logged metrics and transcripts are those of train_grpo.py, plus ppo/* losses. The output
-folder and each checkpoint's policy/ folder hold the tokenizer beside the weights, for the evaluations.
-Under DeepSpeed a checkpoint also holds deepspeed/, the engine's state with every rank's optimizer
-shard, which --resume restores: 16 B x P in all, 235 GB for the recipe (P below), so mind save_steps.
-
-Memory of the recipe (Qwen2.5-7B policy and critic, full fine-tune, ZeRO-2, 8 x 80 GB, dialogues of up
-to 16384 tokens, micro_batch_size 1), in GB of 1e9 B: the policy has 7.62B parameters, the critic
-7.07B (the policy's body without its 0.54B output layer), P = 14.69B. ZeRO-2 keeps the bf16 weights
-whole on every GPU and shards gradients and optimizer states over 8:
-  bf16 weights, replicated          2 B x P     = 29.4 GB
-  bf16 gradients, sharded           2 B x P / 8 =  3.7 GB
-  fp32 master weights, sharded      4 B x P / 8 =  7.3 GB
-  Adam moments (fp32 m, v), sharded 8 B x P / 8 = 14.7 GB
-  model states per GPU                          = 55.1 GB
-Without DeepSpeed every GPU would hold all of it, 16 B x P = 235 GB: the recipe needs
-accelerate_configs/zero2.yaml. On top of them, the peak of each phase of a step:
-  training (forward and backward of one dialogue; gradient checkpointing):
-    DeepSpeed's gradient reduce bucket, 5e8 x 2 B                                    1.0 GB
-    activations, ~0.8 MB a token x 16384 = 13.1 GB: both networks' checkpointed layer
-      inputs (2 x 28 layers x 3584 x 2 B = 0.40 MB), one layer recomputed in the backward
-      with its gradients (~0.35 MB: a Qwen2.5-7B layer saves 0.23 MB a token, measured),
-      final norms and the hidden states the output layer and value head read (~0.05 MB)  13.1 GB
-    output layer, one chunk of 1024 positions: 1024 x 152064 x 20 B (at the backward's peak,
-      measured: five fp32 copies' worth) = 3.1 GB, and its weight's bf16 gradient summed
-      over the chunks, 152064 x 3584 x 2 B = 1.1 GB                                  4.2 GB
-    total 55.1 + 1.0 + 13.1 + 4.2                                                 = 73.4 GB
-  stepping: an fp32 copy of the gradient shard (4 B x P / 8 = 7.3 GB) and the
-    all-gather bucket (1.0 GB), activations freed: 55.1 + 7.3 + 1.0               = 63.4 GB
-  rollout (transformers generate): the key and value cache of the process's 4 dialogues,
-    56 KiB a token (28 layers x K,V x 4 heads x 128 x 2 B): 4 x 16384 x 57344 B = 3.8 GB,
-    at most 4x wider with the prefix cache's holes (15.0 GB); 55.1 + 15.0          = 70.1 GB
-An "80 GB" GPU holds 85.5 GB (H100: 81559 MiB) to 85.9 GB (A100: 80 GiB): the 73.4 GB peak leaves
-~12 GB for the CUDA context, the allocator's fragmentation and these estimates' error. Each further
-row in a micro-batch adds its activations and output-layer chunk (~16 GB at 16384 tokens), so the
-recipe runs micro-batches of one dialogue; --kl_coef > 0 would add a frozen bf16 reference, 15.2 GB.
+What it simplifies: the critic is a separate network with a zero-initialised linear value head; losses are
+token means; one dialogue is one row (the paper trained each turn as its own row: --per_turn_rows); the
+defaults are a CPU demo (the dataclass below), the recipes hold the paper's values. The details (several
+processes, memory, resume, per-turn rows, why the demo's values) are in docs/training.md and docs/gpu.md.
 """
 import random
 import shlex
@@ -129,21 +68,14 @@ class PPOArguments:
     lora_r: int = 16
     lora_alpha: int = 32
     learning_rate: float = field(default=1e-3, metadata={"help": "policy lr (paper: 1e-6; LoRA demo: 1e-3)"})
-    # The paper's critic lr, also in the demo: a faster critic is noise there. Its value head on 576
-    # hidden units moved values by ~0.3 per step at 1e-3 and ~0.015 at 3e-5, varying from token to
-    # token by more than the rewards of one profile's dialogues differ (explained variance -0.6 to
-    # -2.6), and the advantages carried that noise. In 30 steps it cannot learn which profile is easy.
+    # The demo's critic lr, profiles per step and minibatch: why these values, in docs/training.md
+    # ("Why the PPO demo's defaults"): a faster critic is noise at this scale.
     critic_learning_rate: float = field(default=5e-6, metadata={"help": "critic lr (paper: 5e-6)"})
-    # One profile per step: in 30 steps the critic cannot learn which profiles are easy, so the batch
-    # whitening is the baseline, and with one profile it compares dialogues of the same user, as GRPO does.
     profiles_per_step: int = field(default=1, metadata={"help": "profiles per step"})
     dialogues_per_profile: int = field(default=8, metadata={
         "help": "dialogues per profile (1 x 8 = 8 per step; paper: 32 x 1)"})
     max_steps: int = field(default=30, metadata={"help": "PPO steps (paper: 1000)"})
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch (paper: 1)"})
-    # Demo: one update per batch, as the GRPO demo makes. Two updates on halves (4 rows each) stayed
-    # flat (35.2 +- 0.6 -> 34.2 +- 1.4 over 30 steps); one update gave +1.1 +- 1.3, and +5.0 +- 1.1
-    # with --seed 1 (docs/learning.md).
     minibatch_size: int = field(default=8, metadata={
         "help": "rows per optimizer step, at most: a batch makes the fewest such steps, its rows shared out evenly "
                 "(demo: the whole batch)"})
@@ -321,7 +253,7 @@ def dialogue_rows(dialogue, rewards: list[float], per_turn: bool) -> list[tuple[
 
 def pad_batch(rows: list[tuple], pad_id: int, device) -> dict:
     """Right-padded ids, attention mask and float action mask from (ids, action mask, ...) rows, on `device`.
-    No rows (a rank whose every dialogue lost its simulator) make tensors of 0 rows: the rank still takes
+    No rows (a rank where every dialogue's simulator failed) make tensors of 0 rows: the rank still takes
     part in the step's collectives (ppo_update)."""
     width = max((len(row[0]) for row in rows), default=0)
     padding = [width - len(row[0]) for row in rows]
@@ -525,8 +457,8 @@ def ppo_update(accelerator, model, optimizer, minibatch: dict, args: PPOArgument
     With several processes the minibatch is every rank's rows: the count divided by is the actions of
     all ranks' rows / the number of processes, as DDP and DeepSpeed average the ranks' gradients, so a
     rank with few actions weighs as little as its actions do. Ranks hold different numbers of rows (a
-    dialogue lost to its simulator, per-turn rows of dialogues that ended at different turns, a rank
-    that lost all): every backward pass reduces gradients, so every rank makes as many as the rank with
+    dialogue whose simulator failed, per-turn rows of dialogues that ended at different turns, a rank
+    where all failed): every backward pass reduces gradients, so every rank makes as many as the rank with
     the most micro-batches, a rank that has run out making them on a row without actions
     (placeholder_rows), which adds nothing to any gradient. The stats returned are the step's, every
     rank's actions counted.
@@ -843,8 +775,8 @@ def policy_generator(vllm_server, policy, tokenizer, args: PPOArguments, dialogu
 
 def stop_if_simulators_failed(dialogues, step: int, dialogue_args, output_dir: Path, model, optimizer, tokenizer,
                               accelerator) -> None:
-    """Exit, after saving the state before this step, when more of its dialogues than max_failed_share lost
-    their simulator. Every rank stops here together: check_failures agrees across them."""
+    """Exit, after saving the state before this step, when the simulators of more of its dialogues than
+    max_failed_share allows failed. Every rank stops here together: check_failures agrees across them."""
     try:
         rollout.check_failures(dialogues, dialogue_args.max_failed_share, accelerator)
     except rollout.TooManySimulatorFailures as error:
@@ -933,16 +865,4 @@ def log_step(metrics: dict, dialogues, step: int, transcripts: Path, metrics_fil
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (common.InputError, common.EndpointError) as error:  # bad input or endpoint: say what, no traceback
-        raise SystemExit(f"error: {error}") from None
-    except OSError as error:  # a full disk, a name too long, a folder removed while writing
-        raise SystemExit(f"error: {error} (the checkpoints saved before it are whole: fix it, then continue with "
-                         "--resume)") from None
-    except RuntimeError as error:
-        common.exit_if_lost_process(error, "--resume")
-        raise
-    except KeyboardInterrupt:  # during a step, common.StopRequest saves first; this is set-up or the final save
-        common.exit_interrupted("outside a training step: nothing new saved; the checkpoints in --output_dir are "
-                                "whole (continue from the newest with --resume)")
+    common.run_trainer(main, "--resume")

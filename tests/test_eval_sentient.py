@@ -238,7 +238,7 @@ def test_a_scenario_whose_simulated_user_fails_is_not_scored_and_a_rerun_plays_i
     args = EvalArguments(model=str(tiny_model_dir), profiles=str(benchmark_profiles(tmp_path / "bench.jsonl", count=2)),
                          output=str(tmp_path / "r.jsonl"), batch_size=1, max_reply_tokens=4, bootstrap_samples=100)
     with FakeOpenAIServer([answer] * 18, default=None) as user:  # 9 judged replies x 2 calls, then 500s
-        with pytest.raises(simulator.SimulatorError, match=r"1 scenario\(s\) lost their simulated user.*rerun"):
+        with pytest.raises(simulator.SimulatorError, match=r"1 scenario\(s\) whose simulated user failed.*rerun"):
             eval_sentient.evaluate(args, simulator.SimulatorArguments(backend="llm", base_url=user.base_url,
                                                                       simulator_model="sim-model"))
     assert len(read_results(tmp_path / "r.jsonl")) == 1  # the failed one is not scored as 0 or anything else

@@ -676,7 +676,7 @@ def test_too_many_lost_dialogues_stop_the_run_saving_the_state_before_the_step_o
     assert calls == ([tmp_path / f"checkpoint-{step}"] if saved else [])
     said = "holds the state before it; continue with --resume" if step else "nothing to save yet"
     assert str(stopped.value).startswith(f"stopped at step {step} (") and said in str(stopped.value)
-    assert "1 of 2 dialogues lost their simulator" in str(stopped.value)
+    assert "the simulators of 1 of 2 dialogues failed" in str(stopped.value)
 
 
 def test_a_share_of_lost_dialogues_within_the_bound_goes_on(tmp_path):

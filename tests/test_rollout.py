@@ -380,7 +380,7 @@ def test_a_dialogue_whose_simulator_fails_ends_unscored_and_the_others_go_on(tin
     assert metrics["dialogue/ended_simulator_failed"] == 0.5
     assert metrics["emotion/final_mean"] == 40  # the failed dialogue's partial score is not averaged in
     rollout.check_failures([d0, d1], max_failed_share=0.5)  # 1 of 2 is allowed
-    with pytest.raises(rollout.TooManySimulatorFailures, match=r"1 of 2 dialogues lost their simulator.*500"):
+    with pytest.raises(rollout.TooManySimulatorFailures, match=r"the simulators of 1 of 2 dialogues failed.*500"):
         rollout.check_failures([d0, d1], max_failed_share=0.4)
     with pytest.raises(rollout.TooManySimulatorFailures):
         rollout.check_failures([d1], max_failed_share=1.0)  # nothing left to learn from
@@ -545,7 +545,7 @@ def test_all_ranks_agree_on_stopping_for_simulator_failures(tmp_path):
     outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for outcome in outcomes:  # both ranks decide on all 6 dialogues: 3 lost is allowed at 0.5, not at 0.4
         assert outcome["0.5"] == "went on"
-        assert outcome["0.4"].startswith("3 of 6 dialogues lost their simulator") and "HTTP 500" in outcome["0.4"]
+        assert outcome["0.4"].startswith("the simulators of 3 of 6 dialogues failed") and "HTTP 500" in outcome["0.4"]
 
 
 def test_metrics_of_a_single_one_turn_dialogue_are_per_that_turn():

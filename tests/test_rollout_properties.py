@@ -637,7 +637,7 @@ KEPT = lost(None)
 def test_too_many_simulator_failures_stop_above_the_share_or_when_all_are_lost(failed, total, share, stops):
     dialogues = [lost(f"error {index}") for index in range(failed)] + [KEPT] * (total - failed)
     if stops:
-        with pytest.raises(rollout.TooManySimulatorFailures, match=rf"^{failed} of {total} dialogues .*"
+        with pytest.raises(rollout.TooManySimulatorFailures, match=rf"^the simulators of {failed} of {total} dialogues .*"
                                                                    rf"max_failed_share={share} .*error {failed - 1}$"):
             rollout.check_failures(dialogues, share)
     else:
@@ -653,7 +653,7 @@ def test_with_several_processes_every_ranks_failures_count(monkeypatch, processe
     others = [(3, 4, "error on rank 1")] + [(0, 4, None)] * (processes - 2)
     monkeypatch.setattr(accelerate.utils, "gather_object", lambda counts: counts + others)
     total = 4 * processes
-    with pytest.raises(rollout.TooManySimulatorFailures, match=rf"^3 of {total} dialogues .*error on rank 1$"):
+    with pytest.raises(rollout.TooManySimulatorFailures, match=rf"^the simulators of 3 of {total} dialogues .*error on rank 1$"):
         rollout.check_failures([KEPT] * 4, 0.1, SimpleNamespace(num_processes=processes))
 
 

@@ -118,7 +118,7 @@ def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes
     stopped = run_against_simulator(command, "--max_steps", "3", "--simulator_max_retries", "1",  # less back-off
                                     answered=8)  # 2 dialogues x 2 turns x 2 calls
     assert stopped.returncode != 0
-    assert "stopped at step 1" in stopped.stderr and "2 of 2 dialogues lost their simulator" in stopped.stderr
+    assert "stopped at step 1" in stopped.stderr and "the simulators of 2 of 2 dialogues failed" in stopped.stderr
     checkpoint = output_dir / "checkpoint-1"
     assert (checkpoint / "trainer_state.json").is_file() and (checkpoint / "optimizer.pt").is_file()
     rows = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
