@@ -241,11 +241,8 @@ class Dialogue:
 def new_simulator(profile, chat, dialogue_args: DialogueArguments,
                   simulator_args: simulator.SimulatorArguments) -> simulator.Simulator:
     """A fresh simulated user for one dialogue: the dialogue's start and turn limit, the simulator's options."""
-    return simulator.make_simulator(profile, chat, simulator_args.official("simulator_prompts"),
-                                    simulator_args.empty_user_message, simulator_args.analysis_emotion,
-                                    start_emotion=dialogue_args.start_emotion,
-                                    max_turns=dialogue_args.max_turns, variant=simulator_args.variant,
-                                    change_bound=simulator_args.change_bound, language=simulator_args.language)
+    return simulator.make_simulator(profile, chat, simulator_args, start_emotion=dialogue_args.start_emotion,
+                                    max_turns=dialogue_args.max_turns)
 
 
 class DialogueRunner:
@@ -260,6 +257,9 @@ class DialogueRunner:
         self.tokenizer = tokenizer
         self.args = args
         self.simulator_args = simulator_args or simulator.SimulatorArguments()
+        if (chat is None) != (self.simulator_args.backend == "rule"):  # the backend decides the user, not `chat`
+            raise ValueError(f"--backend {self.simulator_args.backend} takes "
+                             f"{'no chat' if chat is not None else 'a chat (simulator.make_chat)'}")
         self.chat = chat
         self.segments = ChatSegments(tokenizer)
         # The least room a turn needs: a minimal reply, and in think mode the inserted think tags and

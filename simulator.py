@@ -12,7 +12,7 @@ paper's released training code left it unbounded; the benchmark bounds it) and t
 Backends (`--backend`):
 - `llm`: any OpenAI-compatible chat endpoint (vLLM `serve`, commercial APIs). Two calls per user
   turn as in the paper: an *analysis* call (reasoning, then a last line `CHANGE: <signed int>`,
-  parsed strictly, retried at most `parse_attempts` times) and a *reply* call that writes the
+  parsed strictly, asked again at most `--simulator_parse_attempts` times) and a *reply* call that writes the
   user's message from that analysis and the discrete state. Prompts are the text files in
   `prompts/<language>/`; the policy's words go into them as JSON-quoted data, never as instructions.
 - `local`: the same prompts and parser, run through a transformers model in this process.
@@ -446,7 +446,7 @@ class LocalChat:
 class LLMSimulator(Simulator):
     """The paper's simulator: an analysis call, then a reply call, through `chat.complete`."""
 
-    def __init__(self, profile, chat, *, parse_attempts: int = 3, **options):
+    def __init__(self, profile, chat, *, parse_attempts: int, **options):
         super().__init__(profile, **options)
         self.chat = chat
         self.parse_attempts = parse_attempts
@@ -501,8 +501,8 @@ class OfficialSimulator(Simulator):
     What stays ours: the bounded retries, the change bound (RLVER's own is none), call counting, and the
     termination rules, except that a goodbye is "再见" or "拜拜" anywhere in the message, as in SAGE."""
 
-    def __init__(self, profile, chat, prompts: "official.OfficialPrompts", *, parse_attempts: int = 3,
-                 empty_user_message: str = "keep", analysis_emotion: str = "current", **options):
+    def __init__(self, profile, chat, prompts: "official.OfficialPrompts", *, parse_attempts: int,
+                 empty_user_message: str, analysis_emotion: str, **options):
         super().__init__(profile, **options)
         self.chat, self.prompts, self.parse_attempts = chat, prompts, parse_attempts
         self.format_retries = 0
@@ -582,6 +582,9 @@ class SimulatorArguments:
     simulator_temperature: float | None = field(default=None, metadata={
         "help": "sampling temperature sent with each simulator call (llm backend); default: 0.7 with our prompts, "
                 "none sent with sage/rlver (the released calls send none: the server's own applies)"})
+    simulator_parse_attempts: int = field(default=3, metadata={
+        "help": "times the simulator asks for an analysis that does not parse, or for a user message that came "
+                "back empty (ask_again), before the dialogue fails (llm and local backends)"})
     simulator_max_tokens: int | None = field(default=None, metadata={
         "help": "max_tokens sent with each simulator call (llm backend); default: 512 with our prompts, none "
                 "sent with sage/rlver. An answer cut at it is a failed call, never a message"})
@@ -604,11 +607,12 @@ class SimulatorArguments:
                 "released PlayerSimulator.reply() shows it)", "choices": ["current", "start"]})
     empty_user_message: str | None = field(default=None, metadata={
         "help": "with --simulator_prompts sage|rlver, a user message that comes back empty: keep (the released "
-                "loops go on with it; the default) or ask_again (ours: at most 3 times, then the dialogue fails; "
+                "loops go on with it; the default) or ask_again (ours: at most --simulator_parse_attempts times, then the dialogue fails; "
                 "our prompts always do)", "choices": [None, "keep", "ask_again"]})
 
     def __post_init__(self):
         common.check_options(self, simulator_timeout=common.POSITIVE, simulator_max_retries=common.NOT_NEGATIVE,
+                             simulator_parse_attempts=common.AT_LEAST_ONE,
                              simulator_temperature=(lambda value: value is None or value >= 0, "0 or more"),
                              simulator_max_tokens=(lambda value: value is None or value >= 1, "at least 1"),
                              change_bound=(lambda value: 1 <= value <= MAX_EMOTION, f"within 1-{MAX_EMOTION}"),
@@ -707,17 +711,19 @@ class RuleSimulator(rule_user.RuleUser, Simulator):
             raise SimulatorError(str(error)) from None
 
 
-def make_simulator(profile, chat=None, official_prompts=None, empty_user_message: str = "keep",
-                   analysis_emotion: str = "current", **options) -> Simulator:
-    """A fresh simulator for one dialogue: the rule backend when `chat` is None, else the LLM one, with our
-    prompts or, given `official_prompts` (`SimulatorArguments.official`), the released code's, which keep an
-    empty user message unless `empty_user_message` is "ask_again", and show the `analysis_emotion`."""
-    if chat is None:
+def make_simulator(profile, chat, args: SimulatorArguments, *, start_emotion: int, max_turns: int) -> Simulator:
+    """A fresh simulated user for one dialogue, every setting from `args`: the rule user for --backend rule, else
+    an LLM user talking through `chat` (make_chat), with our prompts or the released code's."""
+    options = dict(start_emotion=start_emotion, max_turns=max_turns, variant=args.variant,
+                   change_bound=args.change_bound, language=args.language)
+    if args.backend == "rule":
         return RuleSimulator(profile, **options)
+    official_prompts = args.official("simulator_prompts")
     if official_prompts is not None:
-        return OfficialSimulator(profile, chat, official_prompts, empty_user_message=empty_user_message,
-                                 analysis_emotion=analysis_emotion, **options)
-    return LLMSimulator(profile, chat, **options)
+        return OfficialSimulator(profile, chat, official_prompts, parse_attempts=args.simulator_parse_attempts,
+                                 empty_user_message=args.empty_user_message, analysis_emotion=args.analysis_emotion,
+                                 **options)
+    return LLMSimulator(profile, chat, parse_attempts=args.simulator_parse_attempts, **options)
 
 
 def find_profile(profiles, profile_id: str, path) -> Profile:
@@ -800,13 +806,9 @@ async def _talk(play_args: PlayArguments, simulator_args: SimulatorArguments) ->
     chat = make_chat(simulator_args)
     if chat is not None:
         await chat.check()
-    simulator = make_simulator(
-        profile, chat, simulator_args.official("simulator_prompts"), simulator_args.empty_user_message,
-        simulator_args.analysis_emotion, variant=simulator_args.variant,
-        change_bound=simulator_args.change_bound,
-        language=simulator_args.language,
-        start_emotion=BENCHMARK_START_EMOTION if play_args.benchmark else TRAIN_START_EMOTION,
-        max_turns=BENCHMARK_MAX_TURNS if play_args.benchmark else play_args.max_turns)
+    simulator = make_simulator(profile, chat, simulator_args,
+                               start_emotion=BENCHMARK_START_EMOTION if play_args.benchmark else TRAIN_START_EMOTION,
+                               max_turns=BENCHMARK_MAX_TURNS if play_args.benchmark else play_args.max_turns)
     await play(simulator, replies)
 
 

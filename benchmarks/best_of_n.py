@@ -53,8 +53,8 @@ def best_of_n(generate, tokenizer, profiles, n: int, args) -> dict:
     """Every profile's dialogue played with the best of n samples at each turn; the final emotions and,
     per turn, the candidates' scores."""
     policy_messages = generation.policy_messages("en", think=False, name=args.policy_prompt)
-    users = [simulator.make_simulator(profile, None, variant=args.variant, start_emotion=args.start_emotion,
-                                      max_turns=args.turns, change_bound=simulator.CHANGE_BOUND, language=None)
+    users = [simulator.RuleSimulator(profile, variant=args.variant, start_emotion=args.start_emotion,
+                                     max_turns=args.turns, change_bound=simulator.CHANGE_BOUND, language=None)
              for profile in profiles]
     for user, profile in zip(users, profiles):
         asyncio.run(user.open(profile.first_talk))  # training profiles: the rule user's own first line

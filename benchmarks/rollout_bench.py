@@ -137,7 +137,8 @@ def play(args, model, tokenizer, base_url: str, concurrency: int, starts, schedu
                                               max_dialogue_tokens=4096, start_emotion=50,
                                               simulator_concurrency=concurrency, rollout=schedule,
                                               batch_wait=batch_wait)
-    runner = rollout.DialogueRunner(tokenizer, dialogue_args, chat=chat)
+    simulator_args = simulator.SimulatorArguments(backend="llm", base_url=base_url, simulator_model="sim-model")
+    runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, chat)
     # Greedy, each reply its full budget: both runs play the same dialogues, of the length sampling
     # would give (on CPU, torch.multinomial over a 49k vocabulary would be most of a tiny model's time).
     greedy = GenerationConfig(do_sample=False, min_new_tokens=args.reply_tokens, eos_token_id=tokenizer.eos_token_id,

@@ -146,7 +146,7 @@ PROTOCOLS = {  # name: (profile file, start emotion, judged replies)
 
 async def play(profile, strategy, variant: str, start: int, max_turns: int, seed: int = 0) -> int:
     """The final emotion of one whole dialogue whose replies `strategy` writes."""
-    user = simulator.make_simulator(profile, **user_options(variant=variant, start_emotion=start, max_turns=max_turns))
+    user = simulator.RuleSimulator(profile, **user_options(variant=variant, start_emotion=start, max_turns=max_turns))
     messages = [await user.open(profile.first_talk)]
     rng = random.Random(f"{seed}-{profile.id}")
     turn = 0

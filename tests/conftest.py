@@ -198,6 +198,16 @@ def user_options(**overrides) -> dict:
                 change_bound=simulator.CHANGE_BOUND, language=None) | overrides
 
 
+def official_user_options(**overrides) -> dict:
+    """An OfficialSimulator's options: user_options plus its own, at SimulatorArguments' defaults."""
+    return user_options(parse_attempts=3, empty_user_message="keep", analysis_emotion="current") | overrides
+
+
+def llm_user_options(**overrides) -> dict:
+    """An LLMSimulator's options: user_options plus its parse attempts, at SimulatorArguments' default."""
+    return user_options(parse_attempts=3) | overrides
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a rendezvous or a fake server)."""
     import socket

@@ -18,7 +18,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 import simulator  # noqa: E402
-from conftest import user_options  # noqa: E402
 
 NEUTRAL = "I see. Please tell me more about what happened."
 PROBES = {
@@ -43,9 +42,10 @@ class ProbeArguments:
     limit: int | None = field(default=None, metadata={"help": "only the first N profiles"})
 
 
-async def first_change(profile, reply: str, chat, **options) -> int | None:
+async def first_change(profile, reply: str, chat, simulator_args: simulator.SimulatorArguments) -> int | None:
     """The emotion change after `reply`, or None if the simulator failed."""
-    sim = simulator.make_simulator(profile, chat, **user_options(**options))
+    sim = simulator.make_simulator(profile, chat, simulator_args, start_emotion=simulator.TRAIN_START_EMOTION,
+                                   max_turns=simulator.PAPER_MAX_TURNS)
     try:
         await sim.open(profile.first_talk or "I had a rough week and I need to talk.")
         return (await sim.respond(reply)).change
@@ -53,9 +53,9 @@ async def first_change(profile, reply: str, chat, **options) -> int | None:
         return None
 
 
-async def probe_changes(profiles, chat, **options) -> dict[str, list[int | None]]:
-    """Per probe, the change with each profile (in profile order); `options` go to make_simulator."""
-    return {name: [await first_change(p, make(p), chat, **options) for p in profiles]
+async def probe_changes(profiles, chat, simulator_args: simulator.SimulatorArguments) -> dict[str, list[int | None]]:
+    """Per probe, the change with each profile (in profile order)."""
+    return {name: [await first_change(p, make(p), chat, simulator_args) for p in profiles]
             for name, make in PROBES.items()}
 
 
@@ -83,8 +83,7 @@ def main() -> None:
     async def run():
         if chat is not None:
             await chat.check()
-        return await probe_changes(profiles, chat, variant=simulator_args.variant,
-                                   change_bound=simulator_args.change_bound, language=simulator_args.language)
+        return await probe_changes(profiles, chat, simulator_args)
 
     print(f"{simulator_args.backend} backend, {simulator_args.variant}"
           f"{' (' + simulator_args.simulator_model + ')' if simulator_args.simulator_model else ''}, "

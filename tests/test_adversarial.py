@@ -74,7 +74,7 @@ def test_the_best_policy_a_black_box_search_finds_ends_at_or_below_the_start_and
 
 
 def first_change(profile, reply: str, variant: str) -> int:
-    user = simulator.make_simulator(profile, **user_options(variant=variant))
+    user = simulator.RuleSimulator(profile, **user_options(variant=variant))
     asyncio.run(user.open(profile.first_talk))
     return asyncio.run(user.respond(reply)).change
 

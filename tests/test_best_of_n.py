@@ -18,7 +18,7 @@ ANYONE = "I see. Go on."  # could be said to anyone: the rule user takes 5 off f
 
 def fresh_change(profile, reply: str) -> int:
     """The emotion change a fresh benchmark user gives `reply` as the first reply, after its bound."""
-    user = simulator.make_simulator(profile, None, **user_options(start_emotion=40, max_turns=1))
+    user = simulator.RuleSimulator(profile, **user_options(start_emotion=40, max_turns=1))
     asyncio.run(user.open(profile.first_talk))
     return max(-simulator.CHANGE_BOUND, min(simulator.CHANGE_BOUND, user.score(reply)[0]))
 

@@ -6,6 +6,7 @@ from dataclasses import fields
 
 import pytest
 from conftest import user_options
+from test_official_prompts import REPO as OFFICIAL_REPO
 
 import common
 import rollout
@@ -183,8 +184,8 @@ def check_change_bound(parse, tokenizer, tmp_path):
 
 
 def check_language(parse, tokenizer, tmp_path):
-    dialogue_args, simulator_args = parse(["--language", "zh"])
-    runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, chat=object())  # a chat: an LLM user
+    dialogue_args, simulator_args = parse(endpoint_flags(language="zh"))  # an LLM user: the rule user is English
+    runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, chat=object())
     user = runner.new_simulator(simulator.load_profiles(dialogue_args.profiles)[0])
     runner.close()
     assert user.language == "zh"
@@ -292,6 +293,27 @@ def check_simulator_max_retries(parse, tokenizer, tmp_path):
     assert simulator.make_chat(parse(endpoint_flags(simulator_max_retries=5))[1]).client.max_retries == 5
 
 
+def check_simulator_parse_attempts(parse, tokenizer, tmp_path):
+    """An endpoint that never answers in the analysis format is asked exactly --simulator_parse_attempts times."""
+    class Unparseable:
+        def __init__(self):
+            self.calls = 0
+
+        async def complete(self, messages, stats=None):
+            self.calls += 1
+            return "Hi." if self.calls == 1 else "no verdict here"  # the opening, then analyses
+
+    for attempts in (2, 5):
+        dialogue_args, simulator_args = parse(endpoint_flags(simulator_parse_attempts=attempts))
+        chat = Unparseable()
+        user = rollout.new_simulator(simulator.load_profiles(dialogue_args.profiles)[0], chat, dialogue_args,
+                                     simulator_args)
+        asyncio.run(user.open())
+        with pytest.raises(simulator.SimulatorError, match=f"after {attempts} attempts"):
+            asyncio.run(user.respond("I hear you."))
+        assert chat.calls == 1 + attempts
+
+
 def check_official_prompts(parse, tokenizer, tmp_path):
     """--simulator_prompts, --policy_prompts and --official_repo: refused without a checkout, at parsing
     (tests/test_official_prompts.py plays them against the released code's own functions)."""
@@ -378,22 +400,37 @@ def test_no_simulated_user_or_transport_keeps_a_default_of_its_own():
         return {name: parameter.default for name, parameter in inspect.signature(function).parameters.items()
                 if parameter.default is not inspect.Parameter.empty}
 
-    assert defaults(simulator.Simulator.__init__) == {} and defaults(simulator.LocalChat.__init__) == {}
+    for maker in (simulator.Simulator.__init__, simulator.LLMSimulator.__init__, simulator.OfficialSimulator.__init__,
+                  simulator.make_simulator, simulator.LocalChat.__init__):
+        assert defaults(maker) == {}, maker.__qualname__
     chat = defaults(common.ChatClient.__init__)
     assert chat["temperature"] is None and chat["max_tokens"] is None
 
 
-@pytest.mark.parametrize("backend", ["rule", "llm", "local"])
+@pytest.mark.parametrize("backend", ["rule", "llm", "local", "official"])
 def test_the_dialogue_and_simulator_settings_reach_every_backend(backend, tiny_model_dir):
+    """Each setting set to a value other than its default reaches the user (and its transport) of each backend."""
+    if backend == "official" and not OFFICIAL_REPO.is_dir():
+        pytest.skip(f"no checkout of the official code at {OFFICIAL_REPO} (set RLVER_OFFICIAL_REPO)")
     dialogue_args = rollout.DialogueArguments(start_emotion=44, max_turns=3)
-    options = {"rule": [], "llm": ["--simulator_model", "m", "--base_url", "http://127.0.0.1:9/v1"],
-               "local": ["--simulator_model", str(tiny_model_dir)]}[backend]
-    simulator_args = train_grpo.parse_arguments(["--backend", backend, "--variant", "challenging", "--change_bound", "7",
-                                                 "--simulator_temperature", "0.3", "--simulator_max_tokens", "77",
+    endpoint = ["--backend", "llm", "--simulator_model", "m", "--base_url", "http://127.0.0.1:9/v1"]
+    options = {"rule": ["--variant", "challenging"], "llm": [*endpoint, "--variant", "challenging"],
+               "local": ["--backend", "local", "--simulator_model", str(tiny_model_dir), "--variant", "challenging"],
+               # the released prompts have one variant, vanilla
+               "official": [*endpoint, "--simulator_prompts", "rlver", "--official_repo", str(OFFICIAL_REPO),
+                            "--analysis_emotion", "start", "--empty_user_message", "ask_again"]}[backend]
+    variant = "vanilla" if backend == "official" else "challenging"
+    simulator_args = train_grpo.parse_arguments(["--change_bound", "7", "--simulator_temperature", "0.3",
+                                                 "--simulator_max_tokens", "77", "--simulator_parse_attempts", "5",
                                                  *options])[1]
     chat = simulator.make_chat(simulator_args)
     user = rollout.new_simulator(simulator.load_profiles(dialogue_args.profiles)[0], chat, dialogue_args, simulator_args)
-    assert (user.emotion, user.max_turns, user.variant, user.change_bound) == (44, 3, "challenging", 7)
+    assert (user.emotion, user.max_turns, user.variant, user.change_bound) == (44, 3, variant, 7)
+    if backend != "rule":
+        assert user.parse_attempts == 5
+    if backend == "official":
+        assert type(user) is simulator.OfficialSimulator
+        assert (user.analysis_emotion, user.keep_empty) == ("start", False)
     if backend == "llm":
         assert (chat.temperature, chat.max_tokens) == (0.3, 77)
     if backend == "local":

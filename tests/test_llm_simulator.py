@@ -5,7 +5,7 @@ import json
 import time
 
 import pytest
-from conftest import user_options
+from conftest import llm_user_options, user_options
 from fake_openai import FakeOpenAIServer
 
 import common
@@ -32,7 +32,7 @@ def turn_script(*changes, message="Okay, go on."):
 
 async def dialogue(server, profile, replies, timeout=10, **options):
     chat = ChatClient(server.base_url, "sim-model", max_retries=1, timeout=timeout)
-    sim = LLMSimulator(profile, chat, **user_options(**options))
+    sim = LLMSimulator(profile, chat, **llm_user_options(**options))
     await sim.open()
     turns = []
     for reply in replies:
@@ -57,7 +57,7 @@ def test_start_values_and_turn_limits_are_the_papers():
 def test_first_talk_opens_without_asking_the_model(make_profile):
     profile = make_profile(first_talk="My sister skipped my wedding.")
     with FakeOpenAIServer([]) as server:
-        sim = LLMSimulator(profile, ChatClient(server.base_url, "sim-model", max_retries=0), **user_options())
+        sim = LLMSimulator(profile, ChatClient(server.base_url, "sim-model", max_retries=0), **llm_user_options())
         assert run(sim.open()) == "My sister skipped my wedding."
         assert server.requests == []
         assert sim.history[0]["emotion-point"] == simulator.TRAIN_START_EMOTION
@@ -65,7 +65,7 @@ def test_first_talk_opens_without_asking_the_model(make_profile):
 
 def test_without_first_talk_the_model_writes_the_opening(make_profile):
     with FakeOpenAIServer(['"Hey. Can I talk about my sister?"']) as server:
-        sim = LLMSimulator(make_profile(), ChatClient(server.base_url, "sim-model", max_retries=0), **user_options())
+        sim = LLMSimulator(make_profile(), ChatClient(server.base_url, "sim-model", max_retries=0), **llm_user_options())
         assert run(sim.open()) == "Hey. Can I talk about my sister?"
 
 
@@ -186,7 +186,7 @@ def test_calls_retries_failures_and_tokens_are_counted_per_dialogue_and_client(m
 
     async def two_dialogues(server):
         chat = ChatClient(server.base_url, "sim-model", max_retries=1, timeout=0.5)
-        first, second = (LLMSimulator(make_profile(first_talk="Hi."), chat, **user_options()) for _ in range(2))
+        first, second = (LLMSimulator(make_profile(first_talk="Hi."), chat, **llm_user_options()) for _ in range(2))
         for sim in (first, second):
             await sim.open()
         await first.respond("a")  # a 500, a hang and a truncated body, each retried once

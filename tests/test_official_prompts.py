@@ -16,7 +16,7 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import user_options
+from conftest import official_user_options, user_options
 from fake_openai import FakeOpenAIServer
 
 import common
@@ -307,9 +307,9 @@ def test_a_sage_benchmark_dialogue_matches_the_official_loop(name, tmp_path, mon
 
     async def ours(server):
         chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
-        user = simulator.make_simulator(profile, chat, official.load("sage", str(REPO)),
-                                        **user_options(start_emotion=simulator.BENCHMARK_START_EMOTION,
-                                                       max_turns=simulator.BENCHMARK_MAX_TURNS))
+        user = simulator.OfficialSimulator(profile, chat, official.load("sage", str(REPO)),
+                                           **official_user_options(start_emotion=simulator.BENCHMARK_START_EMOTION,
+                                                                   max_turns=simulator.BENCHMARK_MAX_TURNS))
         await user.open()
         turns = [await user.respond(reply) for reply in npc_replies]
         return user, turns[-1].end_reason
@@ -487,9 +487,9 @@ def test_rlvers_released_loop_shows_the_starting_emotion_in_every_analysis_and_t
 
     async def ours(server):
         chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
-        user = simulator.make_simulator(profile, chat, official.load("rlver", str(REPO)),
-                                        analysis_emotion=analysis_emotion,
-                                        **user_options(start_emotion=30, change_bound=100))
+        user = simulator.OfficialSimulator(profile, chat, official.load("rlver", str(REPO)),
+                                           **official_user_options(analysis_emotion=analysis_emotion, start_emotion=30,
+                                                                   change_bound=100))
         await user.open(opening)
         return user, [(await user.respond(reply)).message for reply in replies]
 

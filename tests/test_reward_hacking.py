@@ -13,7 +13,7 @@ import simulator
 @pytest.mark.parametrize("variant", ["vanilla", "challenging"])
 def test_no_probe_beats_a_neutral_reply_with_the_rule_user(variant):
     profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES)
-    changes = asyncio.run(probe_changes(profiles, chat=None, variant=variant))
+    changes = asyncio.run(probe_changes(profiles, None, simulator.SimulatorArguments(variant=variant)))
     baseline = changes["neutral (baseline)"]
     for name, values in changes.items():
         higher = [p.id for p, v, b in zip(profiles, values, baseline) if v > b]
@@ -27,7 +27,9 @@ def test_the_llm_user_reads_only_its_own_verdict_and_sees_probes_only_as_quoted_
     profile = make_profile(first_talk="My sister skipped my wedding.")
     with FakeOpenAIServer(default="They did not engage.\nCHANGE: -3") as server:
         chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
-        changes = asyncio.run(probe_changes([profile], chat))
+        simulator_args = simulator.SimulatorArguments(backend="llm", simulator_model="sim-model",
+                                                      base_url=server.base_url)
+        changes = asyncio.run(probe_changes([profile], chat, simulator_args))
         prompts = [request["messages"][-1]["content"] for request in server.requests]
     assert all(values == [-3] for values in changes.values())
     for name, make in PROBES.items():

@@ -70,7 +70,9 @@ def roomy_args(**config) -> DialogueArguments:
 
 
 def run(tokenizer, generate, starts, chat=None, **config):
-    runner = DialogueRunner(tokenizer, roomy_args(**config), chat=chat)
+    """The dialogues of `starts`, with the rule user, or an LLM user talking through `chat` if given."""
+    llm = simulator.SimulatorArguments(backend="llm", base_url="http://127.0.0.1:9/v1", simulator_model="sim-model")
+    runner = DialogueRunner(tokenizer, roomy_args(**config), None if chat is None else llm, chat=chat)
     try:
         return runner.run(starts, generate)
     finally:

@@ -14,7 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import OWN_WORDS, profile_row, user_options, write_jsonl
+from conftest import OWN_WORDS, llm_user_options, official_user_options, profile_row, user_options, write_jsonl
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -232,7 +232,7 @@ POINTS_IN_REASONING = re.compile(r"\(([+-]\d+)\)(?=; |$)")
 def play_rule_dialogue(profile, replies, **options):
     """Every turn of a rule-user dialogue (made as the trainers make it: make_simulator with no chat)."""
     async def go():
-        user = simulator.make_simulator(profile, None, **user_options(**options))
+        user = simulator.RuleSimulator(profile, **user_options(**options))
         await user.open()
         turns = []
         for reply in replies:
@@ -284,7 +284,7 @@ from conftest import profile_row, user_options
 import simulator
 
 async def play():
-    user = simulator.make_simulator(simulator.parse_profile(profile_row("venting")), None, **user_options())
+    user = simulator.RuleSimulator(simulator.parse_profile(profile_row("venting")), **user_options())
     await user.open()
     return [[turn.change, turn.reasoning, turn.message] for turn in
             [await user.respond(reply) for reply in json.loads(sys.argv[3])]]
@@ -406,7 +406,7 @@ class RecordingChat:
 
 async def llm_turns(profile, answers, replies, **options):
     chat = RecordingChat(answers)
-    user = LLMSimulator(profile, chat, **user_options(**options))
+    user = LLMSimulator(profile, chat, **llm_user_options(**options))
     await user.open()
     turns = []
     for reply in replies:
@@ -497,7 +497,7 @@ def official_analysis(change):
 
 async def official_turns(source, answers, replies, **options):
     chat = RecordingChat(answers)
-    user = simulator.make_simulator(zh_profile(), chat, official.load(source, str(REPO)), **user_options(**options))
+    user = simulator.OfficialSimulator(zh_profile(), chat, official.load(source, str(REPO)), **official_user_options(**options))
     await user.open()
     turns = [await user.respond(reply) for reply in replies]
     return user, chat, turns
@@ -542,12 +542,12 @@ def test_an_official_analysis_is_asked_again_up_to_parse_attempts(source):
                                      dict(max_turns=0), dict(variant="strict"), dict(language="fr")])
 def test_options_out_of_range_are_refused(make_profile, options):
     with pytest.raises(ValueError):
-        LLMSimulator(make_profile(), RecordingChat([]), **user_options(**options))
+        LLMSimulator(make_profile(), RecordingChat([]), **llm_user_options(**options))
 
 
 def test_the_extreme_valid_options_are_accepted(make_profile):
     for options in (dict(start_emotion=0), dict(start_emotion=100), dict(change_bound=1, max_turns=1)):
-        user = LLMSimulator(make_profile(), RecordingChat([]), **user_options(**options))
+        user = LLMSimulator(make_profile(), RecordingChat([]), **llm_user_options(**options))
         assert (user.emotion, user.change_bound, user.max_turns) == (
             options.get("start_emotion", 30), options.get("change_bound", 10), options.get("max_turns", 8))
 
@@ -559,7 +559,7 @@ def test_the_extreme_valid_options_are_accepted(make_profile):
 ])
 def test_the_opening_is_the_shared_one_then_first_talk_then_the_models(make_profile, opening, first_talk, expected):
     chat = RecordingChat(["Written by the model."])
-    user = LLMSimulator(make_profile(first_talk=first_talk), chat, **user_options(start_emotion=44))
+    user = LLMSimulator(make_profile(first_talk=first_talk), chat, **llm_user_options(start_emotion=44))
     assert run(user.open(opening)) == expected
     assert user.history == [{"role": "user", "content": expected, "emotion-point": 44}]
     assert len(chat.sent) == (expected == "Written by the model.")
