@@ -41,6 +41,9 @@ response that never closes its thought is graded as empty).
 `--compare BASE TRAINED` (two output folders, or two result files of one task): per task and
 metric, both scores, the difference and its 95% interval from a paired bootstrap over the items
 both runs answered; a difference whose whole interval lies below zero is flagged as a drop.
+
+What it simplifies: one greedy sample per item (pass@1 from it), and one sandbox of our own around each
+task's official grader in place of each benchmark's harness. More: docs/evaluation.md.
 """
 import asyncio
 import datetime

@@ -30,7 +30,7 @@ model's: vLLM serves only full model folders, and both local backends then test 
 
 Differences from SAGE: a local model keeps its own earlier thoughts in its context (as in training;
 SAGE shows an API model only the replies), and a goodbye must be in the user's last sentence, where
-SAGE matches 再见/拜拜 anywhere in the message.
+SAGE matches 再见/拜拜 anywhere in the message. More: docs/evaluation.md.
 """
 import asyncio
 import json

@@ -1,6 +1,7 @@
 """The trainers' start-up checks: what train_grpo.py and train_ppo.py refuse, or warn about, before a model
-loads, so that a mistake costs seconds, not a model load and a traceback. Kept apart so that the training
-scripts read as their algorithm; each trainer's `check_inputs` lists the checks it runs, in order."""
+loads, so that a mistake costs seconds, not a model load and a traceback; and GRPO's resume, checked and
+prepared. Kept apart so that the training scripts read as their algorithm; each trainer's `check_inputs` lists
+the checks it runs, in order."""
 import json
 import sys
 import warnings

@@ -46,7 +46,8 @@ Budgets are in tokens: per policy turn `max_think_tokens` and `max_reply_tokens`
 and a minimal turn ends with reason "token_budget".
 
 The policy's side (its system prompt, think parsing, the sampling backends: transformers, vLLM) is
-`generation.py`; `generate` is any of its backends.
+`generation.py`; `generate` is any of its backends. More on the schedules and failure handling:
+docs/training.md.
 """
 import asyncio
 import json

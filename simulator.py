@@ -31,6 +31,11 @@ Run a dialogue in the terminal (type replies; an empty line ends):
     python simulator.py --profile en-train-01 --backend rule --replies my_replies.txt
     python simulator.py --profile en-bench-01 --profiles profiles/benchmark.jsonl --benchmark \\
         --backend llm --base_url http://localhost:8000/v1 --simulator_model Qwen/Qwen2.5-32B-Instruct
+
+What it simplifies: the offline default is the rule user, not an LLM (the paper's user is an LLM: `--backend
+llm`); each change is bounded in training too; our prompts are our own (the released code's: `--simulator_prompts
+sage|rlver`). The rules in full: docs/method.md; the released prompts: docs/official_prompts.md; the rule user:
+docs/rule_user.md.
 """
 import asyncio
 import json
@@ -676,6 +681,15 @@ def check_backend(profiles, args: SimulatorArguments) -> None:
         for profile in profiles:
             if (args.language or profile.language) != "en":
                 raise SimulatorError(rule_backend_refusal(profile, args.language))
+
+
+def load_playable_profiles(path, args: SimulatorArguments, think: bool) -> list[Profile]:
+    """A trainer's profiles, after refusing, before any model loads, what the chosen backend cannot play and
+    official policy prompts without the mode asked for."""
+    profiles = load_profiles(path)
+    check_backend(profiles, args)
+    check_policy_prompts(args, think)
+    return profiles
 
 
 def make_chat(args: SimulatorArguments):

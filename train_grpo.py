@@ -256,9 +256,8 @@ def check_inputs(argv, dialogue_args, simulator_args, credit_args, training_args
     model_path = common.resolve_model(model_args.model_name_or_path, "model_name_or_path")
     training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
     preflight.check_master_weights(model_path, training_args, model_args.use_peft)
-    profiles = {p.id: p for p in simulator.load_profiles(dialogue_args.profiles)}
-    simulator.check_backend(profiles.values(), simulator_args)
-    simulator.check_policy_prompts(simulator_args, dialogue_args.think)
+    profiles = {p.id: p for p in simulator.load_playable_profiles(dialogue_args.profiles, simulator_args,
+                                                                   dialogue_args.think)}
     preflight.check_profile_count(len(profiles), dialogue_args.profiles, training_args)
     common.check_process_count(training_args.distributed_state)
     settings = common.run_settings(common.RUN_SETTINGS + GRPO_RUN_SETTINGS, dialogue_args, simulator_args,

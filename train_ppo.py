@@ -687,9 +687,7 @@ def check_inputs(args: PPOArguments, dialogue_args, simulator_args) -> tuple[str
     policy_path = common.resolve_model(args.model_name_or_path, "model_name_or_path")
     if args.critic_model_name_or_path:
         common.check_model_source(args.critic_model_name_or_path, "critic_model_name_or_path")
-    profiles = simulator.load_profiles(dialogue_args.profiles)
-    simulator.check_backend(profiles, simulator_args)
-    simulator.check_policy_prompts(simulator_args, dialogue_args.think)
+    profiles = simulator.load_playable_profiles(dialogue_args.profiles, simulator_args, dialogue_args.think)
     return policy_path, profiles
 
 
