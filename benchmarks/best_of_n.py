@@ -3,7 +3,7 @@
 At every turn of every dialogue the policy samples n replies to the same context; the rule user scores
 each (`RuleUser.score`, without answering), the best is sent (the first among equals) and the dialogue
 goes on from it. n = 1 is the policy as it is; a larger n shows what RL could reach by preferring the
-policy's better samples, the ceiling a CPU demo is judged against (docs/learning.md).
+policy's better samples, the ceiling a CPU demo is judged against (docs/results.md).
 
     python benchmarks/best_of_n.py --n 1 4 16                   # benchmark protocol: 16 scenarios, start 40
     python benchmarks/best_of_n.py --protocol train --n 16 --turns 2 --temperature 1.0 --max_reply_tokens 48

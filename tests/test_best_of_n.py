@@ -1,4 +1,4 @@
-"""benchmarks/best_of_n.py, the ceiling docs/learning.md measures the demos against: at every turn the
+"""benchmarks/best_of_n.py, the ceiling docs/results.md measures the demos against: at every turn the
 candidate the rule user scores highest is the one sent, and the per-turn shares count every candidate."""
 import asyncio
 import importlib.util
