@@ -449,27 +449,16 @@ def placeholder_rows(minibatch: dict) -> dict:
 
 def ppo_update(accelerator, model, optimizer, minibatch: dict, args: PPOArguments, untrained_forward=None) -> dict:
     """One optimizer step for both networks on a minibatch, its rows in micro-batches of micro_batch_size
-    (gradient accumulation); returns the minibatch's stats. Each micro-batch's losses are sums over its
-    actions divided by the minibatch's number of actions, so the accumulated gradient is that of the
-    minibatch's token-mean losses. `untrained_forward`: the first micro-batch's forward pass, if made
-    already (old_logprobs_and_values).
+    (gradient accumulation); returns the minibatch's stats, every rank's actions counted. Each micro-batch's
+    losses are sums over its actions divided by the minibatch's action count (all ranks' / the number of
+    processes, as DDP and DeepSpeed average gradients), so the accumulated gradient is that of the token-mean
+    losses over every rank's rows. `untrained_forward`: the first micro-batch's forward pass, if made already.
 
-    With several processes the minibatch is every rank's rows: the count divided by is the actions of
-    all ranks' rows / the number of processes, as DDP and DeepSpeed average the ranks' gradients, so a
-    rank with few actions weighs as little as its actions do. Ranks hold different numbers of rows (a
-    dialogue whose simulator failed, per-turn rows of dialogues that ended at different turns, a rank
-    where all failed): every backward pass reduces gradients, so every rank makes as many as the rank with
-    the most micro-batches, a rank that has run out making them on a row without actions
-    (placeholder_rows), which adds nothing to any gradient. The stats returned are the step's, every
-    rank's actions counted.
-
-    The networks share no weights, so each gets the gradient of its own loss and is clipped on its own:
-    the updates of an optimizer and a clipping per network. Under DeepSpeed the engine instead clips
-    (both networks' norm together, to its `gradient_clipping`) and steps inside accelerator.backward,
-    and the clipping and step calls here do nothing. accelerate passes `sync_gradients` to the engine
-    as "this micro-batch ends the accumulation", so it steps after the last micro-batch however many
-    the minibatch has (a batch's last minibatch may be short); and the engine's own division of each
-    loss by gradient_accumulation_steps is turned off, the losses being scaled already."""
+    Every backward pass reduces gradients across ranks, so every rank makes as many as the rank with the most
+    micro-batches; a rank that has run out (its dialogues' simulators failed, fewer per-turn rows) passes a row
+    without actions (placeholder_rows), which adds nothing. Each network is clipped on its own. Under DeepSpeed
+    the engine clips (both networks together) and steps inside accelerator.backward, after the micro-batch
+    marked `sync_gradients` (so a short last minibatch still steps), with its own loss scaling turned off."""
     deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
     networks = accelerator.unwrap_model(model)
     row_count, processes = len(minibatch["action_mask"]), accelerator.num_processes
