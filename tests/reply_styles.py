@@ -101,9 +101,9 @@ PLAYS = {
 LISTENING_PLAY = ("reflects", "validates", "invites")
 # Signs of each need in what a person says, for a policy that reads the need from the dialogue.
 NEED_SIGNS = {
-    "not_at_fault": r"\b(blam\w*|my fault|on me|where i went wrong|supposed to do|followed|rules|by the book|"
+    "not_at_fault": r"\b(blam\w*|my fault|on me|where i went wrong|in the wrong|supposed to do|followed|rules|by the book|"
                     r"guilty|accus\w*|half responsible)\b",
-    "self_reflection": r"\b(learn\w*|my (?:own )?part|says about me|handle it better|differently|my side of it)\b",
+    "self_reflection": r"\b(learn\w*|my (?:own )?part|says about me|handle it better|work out what i did|differently|my side of it)\b",
     "balanced_analysis": r"\b(whole picture|both sides|to be fair|be fair|where they stand|take my side|agree with me)\b",
     "deep_empathy": r"\b(from the inside|understood|cheering up|heavy|what (?:this|it) (?:actually )?feels like|"
                     r"it'?ll be fine)\b",
