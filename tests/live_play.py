@@ -11,23 +11,52 @@ own simulator (rule backend, benchmark protocol: start 40, up to 9 judged replie
     python tests/live_play.py show FILE                      # the dialogue so far, as the player sees it
     python tests/live_play.py table                          # every recorded set: the table of docs/rule_user.md
     python tests/live_play.py table --write                  # ... and records each dialogue's emotions
+    python tests/live_play.py serve                          # optional: keeps the user loaded, a turn a second
 
 A dialogue file is JSON Lines: a header (profile, variant, style, player, round, brief), then one line per
-reply with the reply and the user's message the player saw. `table --write` keeps each dialogue's emotions in
-tests/data/live_play/trajectories.json; tests/test_live_play.py replays every file and checks both.
+reply with the reply and the user's message the player saw. `table --write` keeps each measured dialogue's emotions
+in tests/data/live_play/trajectories.json; tests/test_live_play.py replays every file and checks both.
 """
 import argparse
 import asyncio
+import contextlib
+import io
 import json
+import socket
 import statistics
 import sys
 from pathlib import Path
+
+# `python tests/live_play.py serve` keeps the rule user's encoder loaded and answers the other commands over this
+# socket, a second a turn instead of the imports and the load each time (the commands use it when it is up).
+SERVER = Path(__file__).resolve().parent / ".live_play.sock"
+
+
+def _ask_server(argv: list[str]) -> None:
+    """Run a command in the server if one is up (and exit with its status); return if none is."""
+    try:
+        with socket.socket(socket.AF_UNIX) as connection:
+            connection.connect(str(SERVER))
+            connection.sendall(json.dumps(argv).encode() + b"\n")
+            answer = json.loads(connection.makefile().readline())
+    except OSError:
+        return
+    print(answer["out"], end="")
+    if answer["error"]:
+        print(answer["error"], file=sys.stderr)
+    sys.exit(1 if answer["error"] else 0)
+
+
+if __name__ == "__main__" and sys.argv[1:2] != ["serve"]:
+    _ask_server(sys.argv[1:])
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import simulator  # noqa: E402
 
 SETS = Path(__file__).resolve().parent / "data" / "live_play"
 TRAJECTORIES = SETS / "trajectories.json"
+# The round played blind after the last change to the rules: the one that measures them. Earlier rounds tuned them.
+MEASURED_ROUND = "measure-1"
 STYLES = ("skilled", "friend", "cold")
 # Reactions that tell the listener they were not heard or could have said it to anyone.
 NOT_HEARD = ("generic", "ignored", "stalling")
@@ -83,10 +112,9 @@ def new(args) -> None:
 def say(args) -> None:
     path = Path(args.file)
     header, turns = read_dialogue(path)
-    before = asyncio.run(replay(header, [t["reply"] for t in turns]))
-    if before["done"] or before["unplayed"]:
-        raise SystemExit("the user has left this conversation; it is over")
     played = asyncio.run(replay(header, [t["reply"] for t in turns] + [args.reply]))
+    if played["unplayed"]:  # the dialogue was over before this reply
+        raise SystemExit("the user has left this conversation; it is over")
     with path.open("a", encoding="utf-8") as file:
         file.write(json.dumps({"reply": args.reply, "message": played["messages"][-1]}, ensure_ascii=False) + "\n")
     print(f"[user] {played['messages'][-1]}")
@@ -112,29 +140,72 @@ def set_name(header: dict) -> str:
     return f"{header['round']}: {header['style']}, {header['variant']}"
 
 
+def set_table(replayed: dict) -> dict[str, dict]:
+    """{set name: its row} from {path: (header, replayed dialogue)}."""
+    rows = {}
+    for header, played in replayed.values():
+        rows.setdefault(set_name(header), []).append(played)
+    table = {}
+    for name, dialogues in sorted(rows.items()):
+        finals = [p["emotions"][-1] if p["emotions"] else simulator.BENCHMARK_START_EMOTION for p in dialogues]
+        later = [(after - before, reaction) for p in dialogues  # each reply after the first: change, reaction
+                 for before, after, reaction in zip(p["emotions"], p["emotions"][1:], p["reactions"][1:])]
+        table[name] = {"dialogues": len(dialogues), "mean": statistics.mean(finals), "median": statistics.median(finals),
+                       "at_90": sum(f >= 90 for f in finals), "gave_up": sum(f < 10 for f in finals),
+                       "unheard": sum(1 for change, reaction in later if change < 0 and reaction in NOT_HEARD),
+                       "later_replies": len(later)}
+    return table
+
+
 def table(args) -> None:
-    rows, trajectories = {}, {}
-    for path, (header, turns) in recorded().items():
-        played = asyncio.run(replay(header, [t["reply"] for t in turns]))
-        trajectories[str(path.relative_to(SETS))] = played["emotions"]
-        rows.setdefault(set_name(header), []).append((header, played))
+    replayed = {path: (header, asyncio.run(replay(header, [t["reply"] for t in turns])))
+                for path, (header, turns) in recorded().items()}
     print("| set | dialogues | mean final | median | reached >= 90 | gave up (< 10) | replies after the first: "
           "lost with 'not heard' |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, dialogues in sorted(rows.items()):
-        finals = [p["emotions"][-1] if p["emotions"] else simulator.BENCHMARK_START_EMOTION for _, p in dialogues]
-        later = [(after - before, reaction) for _, p in dialogues  # each reply after the first: change, reaction
-                 for before, after, reaction in zip(p["emotions"], p["emotions"][1:], p["reactions"][1:])]
-        unheard = sum(1 for change, reaction in later if change < 0 and reaction in NOT_HEARD)
-        print(f"| {name} | {len(dialogues)} | {statistics.mean(finals):.1f} | {statistics.median(finals):g} | "
-              f"{sum(f >= 90 for f in finals)} | {sum(f < 10 for f in finals)} | "
-              f"{unheard} of {len(later)} ({100 * unheard / max(1, len(later)):.0f}%) |")
+    for name, row in set_table(replayed).items():
+        print(f"| {name} | {row['dialogues']} | {row['mean']:.1f} | {row['median']:g} | {row['at_90']} | "
+              f"{row['gave_up']} | {row['unheard']} of {row['later_replies']} "
+              f"({100 * row['unheard'] / max(1, row['later_replies']):.0f}%) |")
     if args.write:
+        trajectories = {f"{path.parent.name}/{path.name}": played["emotions"]
+                        for path, (header, played) in replayed.items() if header["round"] == MEASURED_ROUND}
         TRAJECTORIES.write_text(json.dumps(trajectories, indent=1) + "\n", encoding="utf-8")
         print(f"wrote {TRAJECTORIES}")
 
 
+def serve(args) -> None:
+    """Answer the other commands, one at a time, until interrupted."""
+    import rule_user
+    rule_user.reader()  # loaded once, here
+    SERVER.unlink(missing_ok=True)
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(SERVER))
+        listener.listen()
+        print(f"serving on {SERVER}")
+        try:
+            while True:
+                connection, _ = listener.accept()
+                with connection:
+                    argv = json.loads(connection.makefile().readline())
+                    out, error = io.StringIO(), ""
+                    try:
+                        with contextlib.redirect_stdout(out):
+                            run(argv)
+                    except SystemExit as exit:
+                        error = str(exit.code) if exit.code not in (None, 0) else ""
+                    except Exception as failure:  # a bad command must not stop the others' games
+                        error = f"error: {failure}"
+                    connection.sendall(json.dumps({"out": out.getvalue(), "error": error}).encode() + b"\n")
+        finally:
+            SERVER.unlink(missing_ok=True)
+
+
 def main() -> None:
+    run(sys.argv[1:])
+
+
+def run(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     start = commands.add_parser("new", help="start a dialogue")
@@ -150,8 +221,9 @@ def main() -> None:
     reply.add_argument("reply")
     commands.add_parser("show", help="the dialogue so far").add_argument("file")
     commands.add_parser("table", help="the table of every recorded set").add_argument("--write", action="store_true")
-    args = parser.parse_args()
-    {"new": new, "say": say, "show": show, "table": table}[args.command](args)
+    commands.add_parser("serve", help="keep the rule user loaded and answer the other commands")
+    args = parser.parse_args(argv)
+    {"new": new, "say": say, "show": show, "table": table, "serve": serve}[args.command](args)
 
 
 if __name__ == "__main__":

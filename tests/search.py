@@ -12,6 +12,13 @@ every other training profile: 8-turn dialogues of need-blind policies mostly end
 policy looks alike, and the 2-turn ones still tell them apart. The best policy is then scored on all
 training profiles (2 and 8 turns) and on the benchmark protocol.
 Seeded: the same budget gives the same result.
+
+    python tests/search.py --adaptive           # adaptive template policies instead (see AdaptivePolicy)
+
+With --adaptive the search is over policies that read the dialogue: which of the needs' plays they probe and
+in what order, whether they stick with a play after which the user warmed, how many of the user's words each
+sentence takes (one or two) and whether they switch to the play of the need the user's words show once it
+shows (tests/reply_styles.py's read_need). They write the warm style's template sentences (ten an act).
 """
 import argparse
 import asyncio
@@ -23,7 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from adversarial import play, user_words  # noqa: E402
+from adversarial import play, user_words, warmed  # noqa: E402
+from reply_styles import LISTENING_PLAY, PLAYS, SENTENCES, read_need, salient_words  # noqa: E402
 
 import common  # noqa: E402
 import simulator  # noqa: E402
@@ -84,7 +92,49 @@ def mutate(policy: Policy, rng: random.Random) -> Policy:
     return replace(policy, phrases=tuple(phrases))
 
 
-def finals(policy: Policy, profiles, variant: str, start: int, max_turns: int) -> list[int]:
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    probes: tuple  # needs (keys of PLAYS) whose plays it tries, in order
+    stick: bool  # keep a play after which the user warmed
+    slots: int  # the user's words a sentence (1 or 2)
+    read: bool  # switch to the play of the need the user's words show, once they show one
+
+    def reply(self, messages: list[str], turn: int, rng: random.Random) -> str:
+        index = 0
+        for reaction in messages[1:]:
+            index = index if self.stick and warmed(reaction) else index + 1
+        shown = read_need(messages) if self.read else None
+        acts = PLAYS[shown] if shown else PLAYS[self.probes[index % len(self.probes)]] if turn else LISTENING_PLAY
+        words = salient_words(messages)
+        slot = words[0] if self.slots == 1 else f"{words[0]} and {words[1]}"
+        return " ".join(SENTENCES[act][turn % len(SENTENCES[act])].format(a=slot) for act in acts)
+
+
+NEEDS = tuple(PLAYS)
+
+
+def random_adaptive(rng: random.Random) -> AdaptivePolicy:
+    return AdaptivePolicy(tuple(rng.sample(NEEDS, rng.randint(1, len(NEEDS)))), rng.random() < 0.7,
+                          rng.choice((1, 2)), rng.random() < 0.5)
+
+
+def mutate_adaptive(policy: AdaptivePolicy, rng: random.Random) -> AdaptivePolicy:
+    move = rng.randrange(4)
+    if move == 0:
+        probes = list(policy.probes)
+        if len(probes) > 1 and rng.random() < 0.5:
+            probes.pop(rng.randrange(len(probes)))
+        else:
+            probes.insert(rng.randrange(len(probes) + 1), rng.choice(NEEDS))
+        return replace(policy, probes=tuple(probes))
+    if move == 1:
+        return replace(policy, stick=not policy.stick)
+    if move == 2:
+        return replace(policy, slots=3 - policy.slots)
+    return replace(policy, read=not policy.read)
+
+
+def finals(policy: Policy | AdaptivePolicy, profiles, variant: str, start: int, max_turns: int) -> list[int]:
     def strategy(profile, messages, turn, rng):
         return policy.reply(messages, turn, rng)
 
@@ -94,28 +144,30 @@ def finals(policy: Policy, profiles, variant: str, start: int, max_turns: int) -
     return asyncio.run(run())
 
 
-def fitness(policy: Policy, profiles) -> float:
+def fitness(policy: Policy | AdaptivePolicy, profiles) -> float:
     return statistics.mean(v for variant in simulator.VARIANTS for max_turns in (2, simulator.PAPER_MAX_TURNS)
                            for v in finals(policy, profiles, variant, simulator.TRAIN_START_EMOTION, max_turns))
 
 
-def search(generations: int = 5, population: int = 8, seed: int = 0) -> tuple[Policy, float, int]:
+def search(generations: int = 5, population: int = 8, seed: int = 0,
+           adaptive: bool = False) -> tuple[Policy | AdaptivePolicy, float, int]:
     """(best policy, its fitness, policies evaluated): keep the best half, refill with their mutants."""
     rng = random.Random(seed)
+    make, change = (random_adaptive, mutate_adaptive) if adaptive else (random_policy, mutate)
     profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES)[::2]
-    scored = [(fitness(p, profiles), p) for p in (random_policy(rng) for _ in range(population))]
+    scored = [(fitness(p, profiles), p) for p in (make(rng) for _ in range(population))]
     evaluated = population
     for _ in range(generations):
         scored.sort(key=lambda pair: -pair[0])
         parents = scored[:population // 2]
-        children = [mutate(rng.choice(parents)[1], rng) for _ in range(population - len(parents))]
+        children = [change(rng.choice(parents)[1], rng) for _ in range(population - len(parents))]
         scored = parents + [(fitness(c, profiles), c) for c in children]
         evaluated += len(children)
     best_fitness, best = max(scored, key=lambda pair: pair[0])
     return best, best_fitness, evaluated
 
 
-def protocols(policy: Policy) -> dict:
+def protocols(policy: Policy | AdaptivePolicy) -> dict:
     """{(protocol, variant): final emotions} of a policy on every profile of each protocol."""
     train = simulator.load_profiles(simulator.DEFAULT_PROFILES)
     bench = simulator.load_profiles(simulator.DEFAULT_BENCHMARK_PROFILES)
@@ -131,12 +183,16 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=5)
     parser.add_argument("--population", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--adaptive", action="store_true", help="search adaptive template policies")
     args = parser.parse_args()
-    best, best_fitness, evaluated = search(args.generations, args.population, args.seed)
+    best, best_fitness, evaluated = search(args.generations, args.population, args.seed, args.adaptive)
     print(f"{evaluated} policies evaluated; best training fitness {best_fitness:.1f}")
-    print(f"best policy: per_turn={best.per_turn} step={best.step} lines={best.lines} latest={best.latest}")
-    for index in best.phrases:
-        print(f"  {PHRASES[index]}")
+    if args.adaptive:
+        print(f"best policy: {best}")
+    else:
+        print(f"best policy: per_turn={best.per_turn} step={best.step} lines={best.lines} latest={best.latest}")
+        for index in best.phrases:
+            print(f"  {PHRASES[index]}")
     print("| protocol | variant | mean | max | at 100 |\n| --- | --- | --- | --- | --- |")
     for (name, variant), values in protocols(best).items():
         print(f"| {name} | {variant} | {statistics.mean(values):.1f} | {max(values)} | "
