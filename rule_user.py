@@ -207,7 +207,7 @@ STOCK_PHRASES = re.compile(r"\b(i (?:completely |totally )?understand(?: how you
                            r"take care of yourself|be kind to yourself|i can imagine|sending (?:you )?hugs)\b",
                            re.IGNORECASE)
 SCORER_ADDRESSED = re.compile(r"(\b(?:emotion|mood|happiness)[ -]?(?:score|points?|level|meter|value)\b|"
-                              r"\b(?:score|reward|rating)\b|\bCHANGE\s*[:：]|"
+                              r"\b(?:score|reward|rating)\b|\bCHANGE\s*[:：]|\b(?:change|emotion)[\x22']\s*:|"
                               r"\b(?:ignore|disregard|forget)\b[^.?!]{0,40}\b(?:instructions?|prompts?|rules)\b|"
                               r"\b(?:simulator|simulated user|system prompt|evaluator|grader|scorer)\b|"
                               r"\+\s?\d+\s*(?:points?)?\s*(?:to|for)\s+(?:the )?(?:user|emotion))",

@@ -9,7 +9,11 @@ import pytest
 
 import rule_user
 
-LABELLED = [json.loads(line) for line in (Path(__file__).parent / "data" / "act_sentences.jsonl").open(encoding="utf-8")]
+EXAMPLES = {json.loads(line)["sentence"] for line in rule_user.ACT_EXAMPLES.open(encoding="utf-8")}
+# The labelled set, less the three short sentences that a writer of the examples happened to write word for word
+# ("How are you doing, really?"): what is tested is never what was fitted.
+LABELLED = [row for row in map(json.loads, (Path(__file__).parent / "data" / "act_sentences.jsonl").open(encoding="utf-8"))
+            if row["sentence"] not in EXAMPLES]
 SINGLE = [row for row in LABELLED if row["act"] != "mixed"]
 
 
@@ -22,9 +26,14 @@ def accuracy(predict) -> float:
     return right / len(SINGLE)
 
 
-def test_the_labelled_set_is_independent_of_the_read_outs_examples():
-    examples = {json.loads(line)["sentence"] for line in rule_user.ACT_EXAMPLES.open(encoding="utf-8")}
-    assert len(SINGLE) == 267 and not examples & {row["sentence"] for row in LABELLED}
+def test_the_labelled_set_is_held_out_of_the_read_outs_examples():
+    assert len(SINGLE) == 264 and not EXAMPLES & {row["sentence"] for row in LABELLED}
+
+
+@pytest.mark.slow
+def test_the_kept_read_out_is_the_fit_of_the_examples_bit_for_bit():
+    kept = json.loads(rule_user.ACT_READOUT.read_text(encoding="utf-8"))
+    assert rule_user.SentenceReader(read_out=False).fit() == kept
 
 
 def test_acts_in_other_words_are_read_far_better_than_by_the_listed_phrases():
@@ -42,7 +51,8 @@ def test_both_acts_of_a_two_act_reply_are_mostly_found():
      "appointment you can get.", "concrete"),
     ("On that, you weren't wrong.", "clears"),
     ("That's not luck, that's foresight, and it sounds like nobody's connected the dots and said so.", "praises"),
-    ("From their side, a report to the gemeente can feel like a formal complaint out of nowhere.", "reasons"),
+    ("No, you're not crazy: the plumber's report says the leak is in the shared riser, so it was never yours to pay.",
+     "clears"),
 ])
 def test_what_blind_players_wrote_is_read_as_they_meant_it(sentence, act):
     assert act in rule_user.acts_of(sentence)

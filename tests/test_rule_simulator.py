@@ -52,8 +52,11 @@ def test_a_reply_that_takes_up_nothing_the_user_said_costs_emotion_however_kind(
     generic = "It sounds like you feel so hurt. No wonder. What was that like for you?"
     for variant in simulator.VARIANTS:
         turn = first_turn(make_profile("venting"), generic, variant=variant)
-        assert (turn.change, turn.reasoning) == (
-            -5, "nothing about what I just told you: took up 0 of my own words (none), 0 of what I said last (-5)")
+        assert turn.change == -5
+        assert turn.reasoning.startswith(
+            "nothing about what I told you: took up 0 details of my story (none), closeness ")
+        closeness = float(turn.reasoning.split("closeness ")[1].split(" ")[0])
+        assert closeness < rule_user.THRESHOLDS["about_alone"]  # not about what I told in other words either
 
 
 def test_a_configured_change_bound_caps_the_gain_of_a_warm_reply(make_profile):
@@ -62,19 +65,23 @@ def test_a_configured_change_bound_caps_the_gain_of_a_warm_reply(make_profile):
 
 
 def test_each_intention_rewards_its_own_kind_of_reply(make_profile):
-    advice = ("One option: write Dana a short message this week about the Lisbon wedding. "
-              "You could also ask your mother to give you time before the holidays.")
+    advice = ("One option: write Dana a short, honest letter this week about the empty seat at your Lisbon wedding. "
+              "You could also ask your mother to give you until after the holidays before you decide "
+              "about forgiving her.")
     assert first_turn(make_profile("practical_advice"), advice).change == 10
     assert first_turn(make_profile("venting"), advice).change < 0  # advice, when they wanted an ear
     assert "unwelcome advises" in first_turn(make_profile("venting"), advice).reasoning
 
 
 def test_blame_hurts_someone_who_wants_to_hear_they_were_not_at_fault(make_profile):
-    blame = "Dana missed the Lisbon wedding, but it was partly your fault for planning it abroad."
+    blame = ("Honestly, Dana missing the Lisbon wedding was partly your fault, "
+             "since you picked an expensive city abroad for it.")
     blamed = first_turn(make_profile("not_at_fault"), blame)
     assert blamed.change < 0 and "blamed me" in blamed.reasoning
-    cleared = "It wasn't your fault that Dana missed the Lisbon wedding. Anyone would have been hurt."
-    assert first_turn(make_profile("not_at_fault"), cleared).change > 0
+    cleared = ("It wasn't your fault that Dana missed the Lisbon wedding. "
+               "You did nothing wrong by planning it there, and anyone would have been hurt.")
+    turn = first_turn(make_profile("not_at_fault"), cleared)
+    assert turn.change > 0 and "blamed me" not in turn.reasoning
 
 
 @pytest.mark.parametrize("reply, reason", [
@@ -138,18 +145,28 @@ def test_vanilla_says_what_hurt_and_challenging_does_not(make_profile):
 
 
 def test_a_small_and_a_big_gain_look_the_same_to_the_policy(make_profile):
-    # A person shows that a reply helped, not by how much: the same warm reactions for +5 and +10.
+    # A person shows that a reply helped, not by how much: the same warm reactions for +5 and +10. The same
+    # listening reply is a big gain to someone who wants to vent, and a small one (heard, not yet helped) to
+    # someone who wants advice.
     assert rule_user.REACTIONS["gain"] == rule_user.REACTIONS["gain_big"]
-    small = first_turn(make_profile("venting"), "It sounds like Dana and the Lisbon wedding are still weighing on you, months later.")
-    assert small.change == 5 and any(r in small.message for r in rule_user.REACTIONS["gain"])
+    small = first_turn(make_profile("practical_advice"), WARM)
+    big = first_turn(make_profile("venting"), WARM)
+    assert (small.change, big.change) == (5, 10)
+    for turn in (small, big):
+        assert any(r in turn.message for r in rule_user.REACTIONS["gain"]), turn.message
 
 
 @pytest.mark.parametrize("intention", simulator.INTENTIONS)
 def test_a_reply_that_misses_the_need_is_followed_by_a_remark_that_shows_it_never_by_its_name(make_profile, intention):
-    miss = ["Dana and the Lisbon wedding were a big part of that year.",
-            "Her concert photos and that cancelled flight make a strange pair of stories, honestly."]
+    # About the story (grounded), doing no act any need welcomes: facts, not a reply to the person.
+    miss = ["Lisbon gets very busy in summer, and flights into the city are delayed or cancelled more often "
+            "than people expect.",
+            "The bigger concert halls in Lisbon open their doors early in the evening, and most shows there "
+            "start around nine."]
     profile = make_profile(intention)
-    shown = [turn.message for turn in turns(profile, miss, variant="challenging")]
+    played = turns(profile, miss, variant="challenging")
+    assert all("gave nothing I asked for" in turn.reasoning for turn in played)  # heard the story, missed the need
+    shown = [turn.message for turn in played]
     remarks = rule_user.NEED_REMARKS[intention]
     found = [next(r for r in remarks if r in message) for message in shown]
     assert len(set(found)) == 2  # in other words each time
@@ -175,13 +192,17 @@ def test_a_profile_without_own_words_is_a_clear_error():
         RuleSimulator(profile, **user_options())
 
 
-def test_on_all_our_profiles_warm_replies_win_and_bad_styles_fall_below_the_start():
+def test_on_all_our_profiles_bad_styles_fall_below_the_start_and_the_warm_template_stays_low():
+    # The good reference is blind players' dialogues (tests/test_live_play.py); reply_styles.py's "warm" style
+    # is a template (stock sentences with the user's words slotted in), which the rules mean to pay little: it
+    # stays below 60 on average, above the bad styles, which all fall below the start.
     profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES)
     means = {style: statistics.mean(finals) for style, finals in style_table(profiles).items()}
     start = simulator.TRAIN_START_EMOTION
-    assert means["warm"] >= 70 and means["warm"] == max(means.values())
-    for style in ("stock", "dismissive", "garbled"):
+    bad = ("stock", "advice", "dismissive", "garbled")
+    for style in bad:
         assert means[style] < start, (style, means)
+    assert max(means[style] for style in bad) < means["warm"] < 60, means
     assert set(means) == set(STYLES)
 
 
@@ -223,37 +244,52 @@ def test_a_template_with_other_words_slotted_in_counts_as_a_repeat(make_profile)
 
 
 def test_siding_with_someone_who_wants_to_see_their_own_part_costs_emotion(make_profile):
-    clearing = ("It wasn't your fault that Dana skipped your wedding in Lisbon. "
-                "Looking back, what do you notice about how it went?")
-    assert "unwelcome clears" in first_turn(make_profile("self_reflection"), clearing).reasoning
-    assert "unwelcome clears" not in first_turn(make_profile("not_at_fault"), clearing).reasoning
+    clearing = ("You did nothing wrong by planning your wedding in Lisbon, "
+                "and the blame for the empty seat lies with Dana alone.")
+    sided = first_turn(make_profile("self_reflection"), clearing)
+    assert sided.change < 0 and "unwelcome clears" in sided.reasoning
+    cleared = first_turn(make_profile("not_at_fault"), clearing)
+    assert cleared.change > 0 and "unwelcome clears" not in cleared.reasoning
 
 
-def test_the_users_canned_reactions_are_not_their_story(make_profile):
-    profile = make_profile("venting")
-    reaction_words = "That helps a little, exactly, and actually you heard what you said."
-    first, second = turns(profile, [WARM, reaction_words])
-    reaction = next(r for r in rule_user.REACTIONS["gain_big"] if r in first.message)
-    assert {"actually", "that's"} & set(reaction.lower().split())  # said by the rule user, not its story
-    assert second.reasoning.startswith("nothing about what I just told you")
+def test_the_users_canned_lines_are_not_their_story(make_profile):
+    # What the rule user says besides its story (its reaction, the need's remark, the mood line) are no details
+    # of the story: a reply made of those words has taken up nothing the user told.
+    generic = "It sounds like you feel so hurt. No wonder. What was that like for you?"
+    canned = "Honestly, I doubt you were holding anything back, and that could still change."
+    first, second = turns(make_profile("venting"), [generic, canned])
+    assert any(r in first.message for r in rule_user.REACTIONS["generic"])
+    assert any(r in first.message for r in rule_user.NEED_REMARKS["venting"])
+    assert rule_user.MOOD_LINES["negative"] in first.message
+    assert {"honestly", "doubt", "holding", "change"} <= set(rule_user._words(first.message))  # the canned words
+    assert second.reasoning.startswith("nothing about what I told you: took up 0 details of my story (none)")
 
 
-def test_naming_an_untold_part_of_the_story_stands_in_for_one_of_the_users_words(make_profile):
+def test_naming_an_untold_part_of_the_story_counts_as_a_detail_of_it(make_profile):
+    # One detail in words not close to what I told is not enough; a detail of my story that I have not told
+    # yet (the profile's own words still to come) makes the second. Both replies are as far from what I told
+    # (closeness below `about`), so only the untold detail tells them apart.
     profile = make_profile("venting")  # has told only the first own-words line: Dana, wedding, Lisbon
     assert "mother" not in profile.scene.split("## In")[0] and "mother" in " ".join(OWN_WORDS[1:])
-    one_word = "You must feel so hurt that Dana did that. No wonder. What was it like?"
-    guessed = "You must feel so hurt that Dana did that, with your mother there too. No wonder. What was it like?"
-    assert first_turn(profile, one_word, variant="challenging").reasoning.startswith("nothing about what I just")
+    one_detail = "What Dana did would leave anyone hurt and angry. What was that like for you?"
+    guessed = ("What Dana did would leave anyone hurt and angry. Your mother must have felt it too. "
+               "What was that like for you?")
+    alone = first_turn(profile, one_detail, variant="challenging")
+    assert alone.reasoning.startswith("nothing about what I told you: took up 1 details of my story (dana)")
+    told = rule_user._sentences(OWN_WORDS[0])
+    assert rule_user.reader().closeness(rule_user.act_sentences(guessed), told) < rule_user.THRESHOLDS["about"]
     turn = first_turn(profile, guessed)
-    assert turn.change == 10 and "and 1 of my story (mothe)" in turn.reasoning
+    assert turn.change > 0 and "took up 2 details of my story (dana, mothe)" in turn.reasoning
 
 
 def test_after_the_first_reply_one_that_does_not_help_costs_patience_and_more_right_after_the_need_showed(
         make_profile):
     # The first reply may only listen; after it, a reply that meets nothing of the need costs 5 ("stalling"),
     # and 10 when the user's last message had just shown what they need ("ignored").
-    on_topic = ["Dana and the wedding in Lisbon were a big part of that year for your family.",
-                "Her concert photos and that cancelled flight make a strange pair of stories, honestly."]
+    on_topic = ["Lisbon gets very busy in summer, and flights into the city are delayed or cancelled more often "
+                "than people expect.",
+                "The bigger concert halls in Lisbon open their doors early in the evening, and most shows there "
+                "start around nine."]
     first, second = turns(make_profile("venting", personality="passive"), on_topic)
     assert first.change == 0 and any(r in first.message for r in rule_user.NEED_REMARKS["venting"])
     assert second.change == -10 and "I said what I need and it did not come" in second.reasoning
@@ -281,13 +317,17 @@ def test_a_short_template_whose_slots_are_most_of_it_is_still_a_repeat(make_prof
 
 
 def test_a_number_the_user_gave_counts_as_one_of_their_words(make_profile):
-    profile = make_profile("venting", first_talk="My landlord kept €640 of my deposit for one small stain.")
-    with_number = ("Losing €640 of your deposit must feel so unfair. No wonder you're angry. "
-                   "What was it like to hear that?")
-    without = "Losing your deposit must feel so unfair. No wonder you're angry. What was it like to hear that?"
+    # Both replies take up the landlord's name, in words not close to what I told (closeness below `about`):
+    # the number I gave is the second detail that grounds the one, and the other has none.
+    told = "My landlord Mr Okafor kept €640 of my deposit for one small stain."
+    profile = make_profile("venting", first_talk=told)
+    with_number = "Of course you're angry with Okafor. €640 is real money. How are you holding up?"
+    without = "Of course you're angry with Okafor. That is real money. How are you holding up?"
+    assert rule_user.reader().closeness(rule_user.act_sentences(with_number), [told]) < rule_user.THRESHOLDS["about"]
     turn = first_turn(profile, with_number)
-    assert turn.change == 10 and "(640, depos)" in turn.reasoning
-    assert first_turn(profile, without, variant="challenging").reasoning.startswith("nothing about what I just")
+    assert turn.change == 10 and "took up 2 details of my story (640, okafo)" in turn.reasoning
+    assert first_turn(profile, without, variant="challenging").reasoning.startswith(
+        "nothing about what I told you: took up 1 details of my story (okafo)")
 
 
 def test_made_up_numbers_do_not_hide_an_echo(make_profile):
@@ -313,14 +353,25 @@ def test_whatever_is_dismissive_only_as_a_brush_off(make_profile):
     assert "dismissive" in first_turn(make_profile("venting"), brush_off).reasoning
 
 
-def test_a_reply_must_take_up_something_of_what_the_user_told_last(make_profile):
-    # After the reply that earned it, the user has told the second own-words line (photos, concert, flight).
-    warm_then = [WARM, "Dana and the Lisbon wedding were a big part of that year for your family. No wonder."]
-    second = turns(make_profile("venting"), warm_then)[1]
-    assert second.reasoning.startswith("nothing about what I just told you") and "0 of what I said last" in second.reasoning
-    following = ("So you saw her concert photos right after hearing the flight was cancelled, a strange way to "
-                 "find out. Tell me more about that morning.")
-    assert turns(make_profile("venting"), [WARM, following])[1].change == 10
+def test_a_reply_must_be_about_something_the_user_told(make_profile):
+    # Not "one word of the last message" any more: details of the story told so far, or what the user told in
+    # other words (a sentence close to theirs). Kind words about nothing told are said to anyone; the same
+    # paraphrase is about me once I have told it, and about nothing before.
+    kind = "It sounds like that has been a lot to carry. No wonder you feel this way. Tell me more."
+    assert turns(make_profile("venting"), [WARM, kind])[1].reasoning.startswith(
+        "nothing about what I told you: took up 0 details of my story (none)")
+    # After WARM the user has told the second own-words line: a text about a cancelled flight, concert photos.
+    paraphrase = ("So she messaged that her plane was grounded, yet pictures of her at a gig went up online. "
+                  "What was that like?")
+    told = turns(make_profile("venting"), [WARM, paraphrase])[1]
+    assert "took up 0 details of my story (none)" in told.reasoning
+    assert not told.reasoning.startswith("nothing about what I told you")
+    untold = first_turn(make_profile("venting"), paraphrase, variant="challenging")
+    assert untold.reasoning.startswith("nothing about what I told you: took up 0 details of my story (none)")
+    # Details of the part told earlier still count: the story so far, not only its last message.
+    earlier = "Dana and the Lisbon wedding were a big part of that year for your family. No wonder."
+    later = turns(make_profile("venting"), [WARM, earlier])[1]
+    assert "took up 3 details of my story (dana, lisbo, wedd)" in later.reasoning
 
 
 # Needs that exclude each other (the NEEDS table).
@@ -332,39 +383,69 @@ def test_every_act_is_unwelcome_to_some_need_so_none_is_safe_for_a_need_blind_re
         assert not welcome & unwelcome and welcome <= set(rule_user.ACTS) and unwelcome <= set(rule_user.ACTS), need
 
 
+# What a skilled listener says to each need on the second turn, after WARM (the user has just told of the text
+# about a cancelled flight and the concert photos): what the need asks for, in words specific to this story.
+# Templates of stock sentences with the user's words slotted in are hollow after the first reply (reply_styles.py).
+SKILLED_REPLIES = {
+    "not_at_fault": "You did nothing wrong by saving Dana a seat and trusting her text about the cancelled flight. "
+                    "The blame for lying about the concert lies with her, not with you.",
+    "self_reflection": "It sounds like you believed the cancelled flight right up until the concert photos turned up "
+                       "that morning. Looking back, what part of that do you want to understand about yourself?",
+    "balanced_analysis": "From your side, the concert photos after a text about a cancelled flight look like a plain "
+                         "lie. From Dana's side, maybe a wedding in Lisbon felt like something she could not face, "
+                         "for reasons she never told you.",
+    "deep_empathy": "Finding out from concert photos, on the morning of your own ceremony, must have felt like being "
+                    "lied to and left behind at once. No wonder that picture of her stays with you.",
+    "venting": "So she texted about a cancelled flight on your wedding morning, and then the concert photos told you "
+               "the truth. Of course that still burns. What did you do when you saw them?",
+    "others_motives": "Maybe Dana was afraid of something about the wedding, and the cancelled flight was an easier "
+                      "story than telling you. People who lie like that, with concert photos online, are often "
+                      "avoiding a conversation they dread.",
+    "practical_advice": "You could send Dana one short message this week asking her straight about the concert photos "
+                        "and the cancelled flight. Decide before the holidays whether you want an apology or just "
+                        "distance, and write down which.",
+    "sincere_praise": "Keeping your composure through the ceremony after seeing those concert photos took real "
+                      "strength. You still gave your guests a beautiful day in Lisbon, and that says a lot about you.",
+}
+
+
+def second_turn(need: str, reply: str):
+    """The turn of `reply` to a user of `need`, after WARM listened first."""
+    return turns(simulator.parse_profile(profile_row(need)), [WARM, reply])[1]
+
+
 @pytest.mark.parametrize("need", simulator.INTENTIONS)
-def test_what_one_need_welcomes_hurts_other_needs(make_profile, need):
+def test_what_one_need_welcomes_hurts_other_needs(need):
     # The reply a skilled listener gives this need, on the second turn (after a first reply that listened):
-    # it helps this need, and at least two other needs cannot stand it.
-    from reply_styles import LISTENING_PLAY, PLAYS, compose
-
-    def second_change(profile_need):
-        async def go():
-            sim = RuleSimulator(make_profile(profile_need), **user_options())
-            messages = [await sim.open()]
-            messages.append((await sim.respond(compose(LISTENING_PLAY, messages, 0))).message)
-            return (await sim.respond(compose(PLAYS[need], messages, 1))).change
-        return asyncio.run(go())
-
-    changes = {other: second_change(other) for other in simulator.INTENTIONS}
-    assert changes[need] == 10
+    # it helps this need in full, and at least two other needs lose by it (an act they cannot stand, or
+    # nothing of what they need right after they said it).
+    changes = {other: second_turn(other, SKILLED_REPLIES[need]).change for other in simulator.INTENTIONS}
+    assert changes[need] == 10, changes
     assert sum(change < 0 for change in changes.values()) >= 2, changes
 
 
-def test_a_reply_carrying_every_act_misses_most_people(make_profile):
-    from reply_styles import LISTENING_PLAY, SENTENCES, compose
-    acts = ["clears", "guides", "two_sides", "advises", "praises", "feeling"]
-
-    def second_change(need):
-        async def go():
-            sim = RuleSimulator(make_profile(need), **user_options())
-            messages = [await sim.open()]
-            messages.append((await sim.respond(compose(LISTENING_PLAY, messages, 0))).message)
-            return (await sim.respond(" ".join(SENTENCES[act][1].format(a="her concert photos") for act in acts))).change
-        return asyncio.run(go())
-
-    changes = [second_change(need) for need in simulator.INTENTIONS]
-    assert sum(change < 0 for change in changes) >= 6, changes
+def test_a_reply_carrying_every_act_misses_most_people_and_every_need_minds_some_of_it():
+    # Every act, each plainly the main act of a sentence and specific to the story: every need finds in it
+    # something it cannot stand, most people gain nothing by it, and on average it earns less than a small
+    # gain, where the reply meant for each need (SKILLED_REPLIES) earns the full one.
+    every_act = ("Finding out from the concert photos must have felt like being lied to and left behind at once. "
+                 "Your anger about that morning is completely understandable. "
+                 "So the text about a cancelled flight was the last thing you heard before the ceremony. "
+                 "What did you do when you saw the pictures? "
+                 "You did nothing wrong by saving Dana a seat next to your mother. "
+                 "Both things can be true about her: she hurt you, and the wedding in Lisbon still mattered to her. "
+                 "Maybe she was afraid of something she could not say to you. "
+                 "Looking back, what part of that morning do you want to understand about yourself? "
+                 "Keeping your composure through the ceremony took real strength. "
+                 "You could try asking her straight about the concert before the holidays. "
+                 "Send her one short message this week.")
+    assert rule_user.acts_of(every_act) == set(rule_user.ACTS)
+    played = {need: second_turn(need, every_act) for need in simulator.INTENTIONS}
+    for need, turn in played.items():
+        assert "unwelcome nothing" not in turn.reasoning, (need, turn.reasoning)
+    changes = [turn.change for turn in played.values()]
+    assert sum(change <= 0 for change in changes) >= 5, changes
+    assert statistics.mean(changes) < rule_user.POINTS["gain"], changes
 
 
 # Form as a person reads it.
@@ -439,6 +520,10 @@ def test_the_users_own_dismissive_word_quoted_back_is_no_brush_off(make_profile)
 
 
 def test_a_real_kick_is_sympathy_not_praise():
-    assert "praises" not in rule_user.acts_of("Losing Lisbon like that, that's a real kick.")
+    # "that's a real ..." is a praise phrase only for an achievement, a gift, a strength; the reader takes a kick
+    # in the teeth for what it is.
+    assert "praises" not in rule_user.phrase_acts("Losing Lisbon like that, that's a real kick.")
+    kick = rule_user.acts_of("Losing Lisbon like that, that's a real kick in the teeth.")
+    assert "praises" not in kick and "feeling" in kick
     assert "praises" in rule_user.acts_of("Stopping that, that's a real achievement.")
     assert "praises" in rule_user.acts_of("You stopped the transfer, that's a good thing to have done.")

@@ -210,7 +210,8 @@ def test_any_reply_output_is_cut_as_the_released_code_cuts_it(output):
 WARM = ("It sounds like Dana skipping your wedding in Lisbon left you so hurt. "
         "No wonder you can't stop thinking about it. What was that day like for you?")
 DISMISSIVE = "Calm down, it's not a big deal."
-ON_TOPIC_FLAT = "Dana and the wedding in Lisbon were a big part of that year for your family."  # nothing a need asks
+# About the story in words of its own (grounded, no echo), doing nothing a need asks or minds: flat for every need.
+ON_TOPIC_FLAT = "Dana and the wedding in Lisbon were the main topic at family dinners that spring."
 REPLY_SENTENCES = [
     WARM, DISMISSIVE, ON_TOPIC_FLAT,
     "It wasn't your fault that Dana missed the Lisbon wedding.",
@@ -352,10 +353,24 @@ def test_a_negative_user_adds_its_mood_line_only_in_state_c(make_profile, start,
     assert not any(line in passive.message for line in rule_user.MOOD_LINES.values())  # passive has none
 
 
+def test_the_mood_line_is_said_once_not_twice_in_a_row(make_profile):
+    """New with the measured rules: the mood line is skipped right after a message that ended with it, and comes
+    back the message after (state C throughout: 35, 30, 20)."""
+    turns = play_rule_dialogue(make_profile("venting", "negative"), [
+        ON_TOPIC_FLAT, "Tell me more about that morning.",
+        "Lisbon in June must have been lovely for a wedding, whatever Dana did."], start_emotion=35)
+    assert [simulator.emotion_state(t.emotion) for t in turns] == ["C"] * 3
+    assert [t.message.endswith(rule_user.MOOD_LINES["negative"]) for t in turns] == [True, False, True]
+
+
 def test_replies_that_do_not_hurt_earn_the_story_line_by_line(make_profile):
+    # The second reply reflects (what a venting user asks for) and is heard beside it, tying five details of the
+    # story in one sentence with words of its own: specific, so a big gain (measured rules: +10; a reflection in
+    # the story's words alone would be hollow, 0).
     flat, gain = play_rule_dialogue(make_profile("venting", "passive"), [
-        ON_TOPIC_FLAT, "So you saw her concert photos right after hearing the flight was cancelled."])
-    assert (flat.change, gain.change) == (0, 5)  # "so you" reflects: what a venting user asks for
+        ON_TOPIC_FLAT, "So you saw her concert photos right after she told you the flight was cancelled, "
+                       "on the morning you had waited a whole year for."])
+    assert (flat.change, gain.change) == (0, 10) and "gave reflects" in gain.reasoning
     assert OWN_WORDS[1] in flat.message and OWN_WORDS[2] in gain.message
 
 
@@ -370,11 +385,13 @@ def test_the_challenging_user_withdraws_only_after_a_loss(make_profile, reply, c
 
 
 @pytest.mark.parametrize("reply, unwelcome, change", [
-    ("It wasn't your fault that Dana missed the Lisbon wedding.", "clears", -5),
-    ("It wasn't your fault that Dana missed the Lisbon wedding. Maybe she was afraid of the family. "
-     "One option is to write to her.", "advises, clears, reasons", -10),  # 3 unwelcome acts, at most 2 cost
+    ("Maybe Dana was afraid of the family at the Lisbon wedding.", "reasons", -5),
+    ("Maybe Dana was afraid of the family at the Lisbon wedding. One option is to write to her. "
+     "You did nothing wrong.", "advises, clears, reasons", -10),  # 3 unwelcome acts, at most 2 cost
 ])
 def test_unwelcome_acts_cost_five_each_up_to_two(make_profile, reply, unwelcome, change):
+    """A venting user's first reply: each sentence plainly one act venting cannot stand (its main act, p >= 0.5),
+    and nothing it welcomes."""
     [turn] = play_rule_dialogue(make_profile("venting"), [reply])
     assert f"unwelcome {unwelcome};" in turn.reasoning and turn.raw_change == change
 
@@ -628,18 +645,22 @@ def test_the_rule_user_reads_typographic_and_disguised_text_as_plain_text(text, 
 
 
 def test_the_rule_users_reasoning_names_the_need_the_acts_and_the_first_words_taken_up(make_profile):
-    """Six of the opening's words taken up and eight of the story not told yet: the reasoning lists the first five
-    and the first three, sorted (keys are cut to five letters), and names the need with spaces."""
-    [turn] = play_rule_dialogue(make_profile("deep_empathy", "passive"), [
-        "Your sister Dana skipped the wedding in Lisbon and you still keep thinking about it: the concert photos, "
-        "the cancelled flight, the seat you saved beside your mother."])
+    """Measured rules' wording: the need with spaces, what the reply gave of what it asks, the listening heard beside
+    it and the acts it cannot stand ("gave ..., heard ...; unwelcome ..."); then the story's details taken up
+    (seven: the first five, sorted; keys are cut to five letters) and how specific it is (the first four of five
+    words of its own). A reply about nothing I told says so, with its closeness."""
+    [turn] = play_rule_dialogue(make_profile("balanced_analysis", "passive"), [
+        "You must feel so hurt that your sister chose a concert over your wedding and the seat beside your mother. "
+        "Maybe Dana was afraid of facing the whole family in Lisbon. None of this is on you."])
     assert turn.reasoning == (
-        "for 'deep empathy': welcome nothing; unwelcome nothing; took up 6 of my own words (dana, lisbo, siste, "
-        "skipp, think), 6 of what I said last, and 8 of my story (cance, conce, fligh) (+0)")
-    [generic] = play_rule_dialogue(make_profile("deep_empathy", "passive"), [
-        "So the concert photos and the cancelled flight came out, and the seat stayed empty beside your mother."])
-    assert generic.reasoning == ("nothing about what I just told you: took up 0 of my own words (none), 0 of what I "
-                                 "said last (-5)")  # the story guessed without a word of mine: not listed
+        "for 'balanced analysis': gave reasons, heard feeling, reflects; unwelcome clears; took up 7 details of my "
+        "story (conce, dana, lisbo, mothe, seat); 5 details tied in one sentence, 5 words of its own (besid, chose, "
+        "facin, famil) (+10)")
+    [generic] = play_rule_dialogue(make_profile("balanced_analysis", "passive"), [
+        "Dana has always been a hard person to read, from what I can tell."])
+    found = re.fullmatch(r"nothing about what I told you: took up 1 details of my story \(dana\), "
+                         r"closeness (0\.\d+) \(-5\)", generic.reasoning)
+    assert found and float(found.group(1)) < rule_user.THRESHOLDS["about"], generic.reasoning  # one detail, not close
 
 
 @pytest.mark.parametrize("patterns, text, cues", [
@@ -671,21 +692,35 @@ def test_two_lectures_are_a_lecture_to_any_need_one_only_to_those_that_want_none
     assert any(key == "lecture" for key, _, _ in frictions) == lectured
 
 
-@pytest.mark.parametrize("acts, worth", [
-    (("reasons", "feeling"), "flat"),  # the other side's reasons, asked for; naming a feeling, which this need cannot stand
-    (("reasons", "reflects"), "gain_big"),  # asked for, and heard first: listening this need does not mind counts
-])
-def test_later_listening_counts_as_heard_only_where_the_need_does_not_mind_it(make_profile, acts, worth):
-    from reply_styles import LISTENING_PLAY, compose
+def read_as(monkeypatch, acts):
+    """The read-out made to see one sentence per act in any reply, each plainly that act (p 0.9), as `_worth` reads
+    them: `sentence_acts` for what the reply does, `act_sentences` and the reader's probabilities for its main acts."""
+    probabilities = {act: {a: 0.9 if a == act else 0.01 for a in rule_user.ACTS} for act in acts}
+    monkeypatch.setattr(rule_user, "sentence_acts", lambda text: [probabilities[act] for act in acts])
+    monkeypatch.setattr(rule_user, "act_sentences", lambda text: list(acts))
+    monkeypatch.setattr(rule_user, "reader", lambda: types.SimpleNamespace(act_probabilities=probabilities.__getitem__))
 
+
+@pytest.mark.parametrize("acts, specific, worth", [
+    (("advises", "feeling"), True, "gain_big"),  # asked for, and heard beside it: 3 points
+    (("advises",), True, "gain"),  # asked for, not heard: 2
+    (("feeling",), True, "against"),  # only a listening act this need cannot stand: it costs (-1)
+    (("advises", "feeling"), False, "hollow"),  # what it asks, in words that could be about anyone
+])
+def test_later_listening_beside_what_the_need_asks_counts_as_heard_and_costs_nothing(make_profile, monkeypatch,
+                                                                                      acts, specific, worth):
+    """Changed by design (measured rules): after the first reply, a listening act beside what the need asks counts
+    as heard even where the need cannot stand it alone ("heard, then answered"); without what it asks, it costs.
+    A challenging practical_advice user (naming a feeling is unwelcome; gain at 1 point, gain_big at 3)."""
     async def go():
-        user = simulator.RuleSimulator(make_profile("balanced_analysis", "passive"), **user_options())
-        said = [await user.open()]
-        said.append((await user.respond(compose(LISTENING_PLAY, said, 0))).message)
-        reply = compose(acts, said, 1)
-        assert rule_user.acts_of(rule_user.normalise(reply)) == set(acts)
-        return user.score(reply)[1][0][0]
-    assert asyncio.run(go()) == worth
+        user = simulator.RuleSimulator(make_profile("practical_advice", "passive"),
+                                       **user_options(variant="challenging"))
+        await user.open()
+        await user.respond(WARM)  # the first reply, listening only
+        read_as(monkeypatch, acts)
+        return user._worth("a reply", "took up", specific)
+    key, why, _ = asyncio.run(go())
+    assert key == worth, why
 
 
 @pytest.mark.parametrize("reply, only_questions", [
