@@ -34,6 +34,11 @@ def test_every_measured_dialogue_replays_as_its_player_saw_it(measured):
 
 
 @pytest.mark.slow
+def test_no_user_message_is_empty_in_any_measured_dialogue(measured):
+    assert all(message.strip() for _, _, played in measured.values() for message in played["messages"])
+
+
+@pytest.mark.slow
 def test_the_recorded_emotions_come_back(measured):
     kept = json.loads(TRAJECTORIES.read_text(encoding="utf-8"))
     for path, (_, _, played) in measured.items():

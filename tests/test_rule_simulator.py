@@ -527,3 +527,14 @@ def test_a_real_kick_is_sympathy_not_praise():
     assert "praises" not in kick and "feeling" in kick
     assert "praises" in rule_user.acts_of("Stopping that, that's a real achievement.")
     assert "praises" in rule_user.acts_of("You stopped the transfer, that's a good thing to have done.")
+
+
+@pytest.mark.parametrize("variant", simulator.VARIANTS)
+def test_a_content_user_whose_story_is_all_told_still_says_something(make_profile, variant):
+    sim = RuleSimulator(make_profile("venting"), **user_options(variant=variant))
+    asyncio.run(sim.open())
+    sim.next_line = len(sim.lines)  # the story is all told
+    sim._met_need, sim.emotion = True, 50  # need met, state B: no need remark, no mood line
+    sim.history.append({"role": "assistant", "content": "..."})
+    message = asyncio.run(sim._write_message("...", "", 0))
+    assert message.strip() and (variant == "vanilla" or message in rule_user.STORY_TOLD)
