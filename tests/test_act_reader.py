@@ -69,3 +69,13 @@ def test_a_missing_encoder_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(rule_user.MissingEncoder, match="requirements-nodeps.txt"):
         rule_user.SentenceReader()
+
+
+def test_the_readers_sentence_cache_is_bounded_and_a_sentence_made_again_is_the_same(monkeypatch):
+    reader = rule_user.reader()
+    first = reader.embed("The lift stopped between floors at midnight.").clone()
+    monkeypatch.setattr(rule_user, "EMBEDDINGS_KEPT", len(reader._embeddings) + 1)
+    for sentence in ("One new sentence here.", "Another new sentence there.", "And a third one to overflow."):
+        reader.embed(sentence)
+        assert len(reader._embeddings) <= rule_user.EMBEDDINGS_KEPT
+    assert (reader.embed("The lift stopped between floors at midnight.") == first).all()
