@@ -484,6 +484,26 @@ class MissingEncoder(RuntimeError):
     """The rule user's sentence encoder is not installed."""
 
 
+def token_states(bert, ids):
+    """A BertModel's token states for one unpadded sentence (ids of shape 1 x n): its forward pass written out
+    with its own modules, the same operations in the same order, so the same states bit for bit (tested)."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    n = ids.shape[1]
+    embeddings = bert.embeddings
+    states = embeddings.LayerNorm(embeddings.word_embeddings(ids) + embeddings.token_type_embeddings.weight[0]
+                                  + embeddings.position_embeddings.weight[:n])
+    for layer in bert.encoder.layer:
+        heads, out = layer.attention.self, layer.attention.output
+        query, key, value = (project(states).view(1, n, -1, heads.attention_head_size).transpose(1, 2)
+                             for project in (heads.query, heads.key, heads.value))
+        mixed = scaled_dot_product_attention(query, key, value, scale=heads.scaling).transpose(1, 2).reshape(1, n, -1)
+        states = out.LayerNorm(out.dense(mixed) + states)
+        inner = layer.intermediate.intermediate_act_fn(layer.intermediate.dense(states))
+        states = layer.output.LayerNorm(layer.output.dense(inner) + states)
+    return states
+
+
 class SentenceReader:
     """Sentence embeddings and act probabilities, the same for the same text in every run: each sentence is
     embedded alone (no padding, no batch to depend on) and the read-out is fitted from zeros by L-BFGS."""
@@ -504,9 +524,26 @@ class SentenceReader:
             model.load_state_dict(load(archive.read("model.safetensors")), strict=False)  # strict: its pooler is unused
             self.tokenizer = tokenizers.Tokenizer.from_str(archive.read("tokenizer.json").decode())
         self.tokenizer.no_padding()
-        with warnings.catch_warnings():  # torch.ao's quantisation is deprecated in favour of torchao, still works
+        # torch.ao's quantisation and torch.jit.trace are deprecated (for torchao, torch.export); both work in
+        # the pinned torch, and the export route does not take the quantised layers.
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.model = torch.ao.quantization.quantize_dynamic(model.eval(), {torch.nn.Linear}, dtype=torch.qint8)
+            self.model.requires_grad_(False)
+
+            class Encoder(torch.nn.Module):  # tracing asks for the model as a submodule of what it traces
+                def __init__(self, bert):
+                    super().__init__()
+                    self.bert = bert
+
+                def forward(self, ids):
+                    return token_states(self.bert, ids)
+
+            # Traced once (any sentence length: the trace keeps the length symbolic): the same operations,
+            # bit for bit, without Python's dispatch of some 150 module calls, which was half a sentence's cost.
+            example = torch.tensor([self.tokenizer.encode("A sentence.").ids])
+            with torch.inference_mode():
+                self._encoder = torch.jit.trace(Encoder(self.model), example)
         self._embeddings = {}
         self.acts = list(ACTS)
         if not read_out:  # to be fitted (fit)
@@ -529,9 +566,8 @@ class SentenceReader:
         if sentence not in self._embeddings:
             if len(self._embeddings) >= EMBEDDINGS_KEPT:  # a long training run meets ever new sentences
                 self._embeddings.clear()
-            ids = self.torch.tensor([self.tokenizer.encode(sentence).ids])
             with self.torch.inference_mode():
-                mean = self.model(input_ids=ids).last_hidden_state[0].mean(0)
+                mean = self._encoder(self.torch.tensor([self.tokenizer.encode(sentence).ids]))[0].mean(0)
             self._embeddings[sentence] = mean / mean.norm()
         return self._embeddings[sentence]
 
@@ -756,10 +792,11 @@ class RuleUser:
             return sum(points for _, _, points in defects), defects
         mine = content_keys(reply_text)
         details = mine & (said | self.story)  # what it takes up of my story: told, or guessed from the rest
-        # What it is about: my story so far, or what I said last (a remark of mine included).
-        about = reader().closeness(act_sentences(reply_text),
-                                   [s for line in told + self._last_message() for s in _sentences(line)])
         took_up = f"took up {len(details)} details of my story ({', '.join(sorted(details)[:5]) or 'none'})"
+        # Else what it is about: my story so far, or what I said last (a remark of mine included). Asked only
+        # when the details leave it open, as embedding what I said is a good part of a reply's cost.
+        about = 0.0 if len(details) >= THRESHOLDS["grounding_words"] else reader().closeness(
+            act_sentences(reply_text), [s for line in told + self._last_message() for s in _sentences(line)])
         if not (len(details) >= THRESHOLDS["grounding_words"] or about >= THRESHOLDS["about_alone"]
                 or (details and about >= THRESHOLDS["about"])):
             return POINTS["generic"], [("generic", f"nothing about what I told you: {took_up}, closeness {about:.2f}",

@@ -79,3 +79,17 @@ def test_the_readers_sentence_cache_is_bounded_and_a_sentence_made_again_is_the_
         reader.embed(sentence)
         assert len(reader._embeddings) <= rule_user.EMBEDDINGS_KEPT
     assert (reader.embed("The lift stopped between floors at midnight.") == first).all()
+
+
+@pytest.mark.parametrize("sentence", ["Oh.", "That sounds hard.", "You planned the whole trip, paid the deposits and still got "
+                                      "the blame when the hotel fell through, and nobody there stood up for you, not even "
+                                      "your sister, which must have hurt more than the money."])
+def test_the_traced_encoder_gives_bertmodels_own_token_states_bit_for_bit_at_any_length(sentence):
+    # The oracle is transformers' BertModel forward; the lengths differ from the trace's example sentence.
+    reader = rule_user.reader()
+    torch = reader.torch
+    ids = torch.tensor([reader.tokenizer.encode(sentence).ids])
+    with torch.inference_mode():
+        expected = reader.model(input_ids=ids).last_hidden_state
+        assert torch.equal(rule_user.token_states(reader.model, ids), expected)
+        assert torch.equal(reader._encoder(ids), expected)
