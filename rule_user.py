@@ -36,7 +36,8 @@ Then, for each reply:
 4. Frictions add to that: blame for someone who needs to hear it was not their fault, lecturing (neither when
    denied or reported: "I don't think you should have"), and patience: after the first reply, a reply that
    gives nothing the need asks for costs ("stalling"), and more right after the user said what they need
-   ("ignored").
+   ("ignored"); right after a reply that met the need, a specific reply that hears them and nothing they
+   cannot stand costs nothing (one turn of patience).
 
 The user's next message is written from the profile: what a person shows, never a code. The vanilla user
 reacts in words to what the reply did (one of several phrasings); the challenging user shows nothing of
@@ -766,6 +767,7 @@ class RuleUser:
         self._showed_need = False  # my last message had a need remark
         self._reaction = "flat"
         self._met_need = True
+        self._heard = False  # the last reply heard me: a listening act my need can stand
 
     async def _opening(self) -> str:
         return self.lines[0]
@@ -807,7 +809,9 @@ class RuleUser:
         if reasons[0][2] <= 0 and not self._met_need and self._earlier_replies():
             if self._showed_need:  # patience: I told you; still not what I need
                 reasons.append(("ignored", "I said what I need and it did not come", POINTS["ignored"]))
-            else:
+            elif not (specific and self._heard and reasons[0][0] == "flat"):
+                # A listener who just gave me what I asked for, and now takes up my story in words of their
+                # own and nothing I cannot stand, gets one turn of patience: my next message shows the need.
                 reasons.append(("stalling", "heard my story and still nothing I need", POINTS["stalling"]))
         reasons += self._frictions(reply_text)
         return sum(points for _, _, points in reasons), reasons
@@ -844,6 +848,7 @@ class RuleUser:
             unwelcome = unwelcome - set(LISTENING)
         missed = sure & unwelcome
         heard = listened - unwelcome
+        self._heard = bool(heard)
         points = (int(self._met_need) + int(bool(heard) and (self._met_need or first_reply))
                   + int(specific and self._met_need) - len(missed))
         need = self.profile.intention.replace("_", " ")

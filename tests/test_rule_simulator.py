@@ -298,6 +298,23 @@ def test_after_the_first_reply_one_that_does_not_help_costs_patience_and_more_ri
     assert unhelpful.change == -5 and "heard my story and still nothing I need" in unhelpful.reasoning
 
 
+def test_right_after_the_need_was_met_a_specific_reply_that_hears_me_gets_one_turn_of_patience(make_profile):
+    # Someone who wants the other side's reasons got them, then a reply that dwells on their story in words of its
+    # own (specific, reflects): no loss, and the next message shows the need; the reply after that, if it again
+    # only listens, is the "ignored" one. The patience is one turn, and only for a specific reply that hears them.
+    reasons = ("Maybe Dana was ashamed to face everyone after missing so much, and the concert was her way of "
+               "hiding from the wedding in Lisbon.")
+    dwells = ("You saved her a seat next to your mother for a year of planning, and that empty chair at the "
+              "ceremony must have cut deep.")
+    again = ("A text about a cancelled flight on the very morning, after a year of planning, no wonder it still "
+             "sits heavy with you.")
+    met, patience, ignored = turns(make_profile("others_motives", personality="passive"), [reasons, dwells, again])
+    assert met.change == 10
+    assert patience.change == 0 and "heard reflects" in patience.reasoning and "(+0)" in patience.reasoning
+    assert any(remark in patience.message for remark in rule_user.NEED_REMARKS["others_motives"])
+    assert ignored.change == -10 and "I said what I need and it did not come" in ignored.reasoning
+
+
 def test_you_must_feel_is_empathy_not_a_lecture(make_profile):
     turn = first_turn(make_profile("venting"), "You must feel so hurt that Dana skipped the wedding in Lisbon. "
                                                "No wonder you can't let it go. What was that day like?")
