@@ -8,7 +8,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import serving, two_ranks
+from conftest import SlowUser, serving, two_ranks
+from fake_openai import FakeOpenAIServer
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -90,21 +91,20 @@ def grpo_command(tiny_model_dir, output_dir, *flags):
             "--num_generations", "2", "--per_device_train_batch_size", "4", "--use_vllm", "--use_cpu", "true", *flags]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 48's rule user no longer reads the fake's random tokens as garbled (-10), "
-                   "so every dialogue reaches the token budget on the same turn and the ranks' call counts agree: "
-                   "the fixture needs dialogues that end at different turns again (open)")
 def test_grpo_in_server_mode_lockstep_trains_on_two_ranks_whose_dialogues_end_at_different_turns(tiny_model_dir,
                                                                                                  tmp_path):
     log = tmp_path / "client.log"
-    # The fake's replies (up to 24 random tokens, garbled to the rule user: -10 a turn from 30, so gone by the
-    # 3rd turn) against a 240-token dialogue budget that the longer openings reach first: dialogues end at
+    # The user is a scripted endpoint whose changes (up to +-25 a turn from 30, conftest.SlowUser) depend on the
+    # dialogue, and the dialogue budget of 240 tokens is reached first by the longer openings: dialogues end at
     # different turns on each rank, and all of them before the 6th turn. The server's max_model_len is the
-    # dialogue budget, so a request overshooting it is refused. The fake server's fixed seed makes the run
-    # reproducible.
-    with serving(tiny_model_dir, tmp_path / "server.log", max_model_len=240) as url:
+    # dialogue budget, so a request overshooting it is refused. Both fakes' fixed seeds make the run reproducible.
+    with serving(tiny_model_dir, tmp_path / "server.log", max_model_len=240) as url, \
+            FakeOpenAIServer(respond=SlowUser(seed=0, most=0)) as user:
         finished = two_ranks(*grpo_command(tiny_model_dir, tmp_path / "run", "--max_steps", "2", "--max_turns", "6",
                                            "--max_reply_tokens", "24", "--max_dialogue_tokens", "240", "--vllm_mode",
-                                           "server", "--vllm_server_base_url", url, "--rollout", "lockstep"),
+                                           "server", "--vllm_server_base_url", url, "--rollout", "lockstep",
+                                           "--backend", "llm", "--simulator_model", "sim-model", "--base_url",
+                                           user.base_url),
                              env={"FAKE_VLLM_LOG": str(log)})
     assert finished.returncode == 0, finished.stderr[-3000:]
     calls = generate_calls(log)

@@ -189,9 +189,17 @@ def test_a_two_step_run_completes_and_writes_transcripts_and_metrics(tiny_model_
 def on_policy_step(tiny_model_dir, tmp_path_factory):
     """(transcripts, metrics) of one PPO step of 4 dialogues (2 turns each) whose only update is on-policy:
     one epoch, one minibatch of the whole batch in one micro-batch, so that its forward pass is the one
-    the old log-probs came from (ratio exactly 1); and the critic blank (zero-initialised head: V = 0)."""
-    transcripts, [metrics] = run_ppo(tiny_model_dir, tmp_path_factory.mktemp("ppo") / "run", "--max_steps", "1",
-                                     "--ppo_epochs", "1", "--minibatch_size", "4", "--micro_batch_size", "4")
+    the old log-probs came from (ratio exactly 1); and the critic blank (zero-initialised head: V = 0). The user
+    is a scripted endpoint whose changes differ from dialogue to dialogue (conftest.SlowUser, without delays), so
+    that the returns vary: the rule user judges the tiny model's random tokens all alike."""
+    from conftest import SlowUser
+    from fake_openai import FakeOpenAIServer
+
+    with FakeOpenAIServer(respond=SlowUser(seed=0, most=0)) as server:
+        transcripts, [metrics] = run_ppo(tiny_model_dir, tmp_path_factory.mktemp("ppo") / "run", "--max_steps", "1",
+                                         "--ppo_epochs", "1", "--minibatch_size", "4", "--micro_batch_size", "4",
+                                         "--backend", "llm", "--simulator_model", "sim-model", "--base_url",
+                                         server.base_url)
     return transcripts, metrics
 
 
@@ -215,8 +223,6 @@ def test_the_logged_reward_is_the_mean_final_emotion_over_one_hundred(on_policy_
     assert metrics["reward"] == pytest.approx(sum(final) / len(final) / 100)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 48's rule user judges the tiny model's random tokens alike (-5 a turn), "
-                   "so the fixture's four returns no longer vary: it needs dialogues whose returns differ (open)")
 def test_a_blank_critic_explains_none_of_the_returns_variance(on_policy_step):
     """V = 0 everywhere: the unexplained variance of returns - V is all of the returns' variance."""
     transcripts, metrics = on_policy_step
