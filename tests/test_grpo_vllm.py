@@ -95,13 +95,13 @@ def test_grpo_in_server_mode_lockstep_trains_on_two_ranks_whose_dialogues_end_at
                                                                                                  tmp_path):
     log = tmp_path / "client.log"
     # The user is a scripted endpoint whose changes (up to +-25 a turn from 30, conftest.SlowUser) depend on the
-    # dialogue, and the dialogue budget of 240 tokens is reached first by the longer openings: dialogues end at
+    # dialogue, and the dialogue budget of 200 tokens is reached first by the longer openings: dialogues end at
     # different turns on each rank, and all of them before the 6th turn. The server's max_model_len is the
     # dialogue budget, so a request overshooting it is refused. Both fakes' fixed seeds make the run reproducible.
-    with serving(tiny_model_dir, tmp_path / "server.log", max_model_len=240) as url, \
+    with serving(tiny_model_dir, tmp_path / "server.log", max_model_len=200) as url, \
             FakeOpenAIServer(respond=SlowUser(seed=0, most=0)) as user:
         finished = two_ranks(*grpo_command(tiny_model_dir, tmp_path / "run", "--max_steps", "2", "--max_turns", "6",
-                                           "--max_reply_tokens", "24", "--max_dialogue_tokens", "240", "--vllm_mode",
+                                           "--max_reply_tokens", "24", "--max_dialogue_tokens", "200", "--vllm_mode",
                                            "server", "--vllm_server_base_url", url, "--rollout", "lockstep",
                                            "--backend", "llm", "--simulator_model", "sim-model", "--base_url",
                                            user.base_url),
