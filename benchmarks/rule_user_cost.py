@@ -3,8 +3,8 @@
     python benchmarks/rule_user_cost.py            # the blind players' dialogues (tests/data/live_play/), 3 runs
 
 Replays every recorded dialogue (real replies of real lengths) through the rule user with torch on one thread,
-after the reader is made (a one-off: the encoder's load and the read-out's fit, timed apart), and prints the
-time per judged reply of each run and the cost of making the reader. Each run starts with empty sentence caches,
+after the reader is made (a one-off: the encoder's load and trace and the kept read-out's load, timed apart), and prints the
+time per judged reply of each run and the cost of making the reader. Each run starts with empty caches (sentences, words),
 so no reply is cheaper for having been judged before.
 """
 import argparse
@@ -30,10 +30,13 @@ def main() -> None:
     torch.set_num_threads(1)
     started = time.perf_counter()
     reader = rule_user.reader()
-    print(f"making the reader (encoder load and read-out fit): {time.perf_counter() - started:.1f} s")
+    print(f"making the reader (encoder load and trace, read-out load): {time.perf_counter() - started:.1f} s")
     dialogues = [(header, [t["reply"] for t in turns]) for header, turns in recorded().values()]
     for run in range(args.runs):
         reader._embeddings.clear()
+        reader._probabilities.clear()
+        rule_user.normalise.cache_clear()
+        rule_user._key.cache_clear()
         started, judged = time.perf_counter(), 0
         for header, replies in dialogues:
             judged += len(asyncio.run(replay(header, replies))["emotions"])

@@ -79,6 +79,13 @@ def test_the_readers_sentence_cache_is_bounded_and_a_sentence_made_again_is_the_
         reader.embed(sentence)
         assert len(reader._embeddings) <= rule_user.EMBEDDINGS_KEPT
     assert (reader.embed("The lift stopped between floors at midnight.") == first).all()
+    kept = reader.act_probabilities("The lift stopped between floors at midnight.")
+    monkeypatch.setattr(rule_user, "EMBEDDINGS_KEPT", len(reader._probabilities) + 1)
+    for sentence in ("One new sentence here.", "Another new sentence there.", "And a third one to overflow."):
+        reader.act_probabilities(sentence)
+        assert len(reader._probabilities) <= rule_user.EMBEDDINGS_KEPT
+    kept["reflects"] = 2.0  # what a caller does to its copy does not reach the kept one
+    assert reader.act_probabilities("The lift stopped between floors at midnight.")["reflects"] <= 1.0
 
 
 @pytest.mark.parametrize("sentence", ["Oh.", "That sounds hard.", "You planned the whole trip, paid the deposits and still got "
