@@ -3,9 +3,9 @@
     python benchmarks/rule_user_cost.py            # the blind players' dialogues (tests/data/live_play/), 3 runs
 
 Replays every recorded dialogue (real replies of real lengths) through the rule user with torch on one thread,
-after the reader is made (a one-off: the encoder's load and trace and the kept read-out's load, timed apart), and prints the
-time per judged reply of each run and the cost of making the reader. Each run starts with empty caches (sentences, words),
-so no reply is cheaper for having been judged before.
+after the reader is made (a one-off, timed apart: the encoder's load and trace, the kept read-out's load), and
+prints the time per judged reply of each run and the cost of making the reader. Each run starts with empty
+caches (sentences, words), so no reply is cheaper for having been judged before.
 """
 import argparse
 import asyncio
