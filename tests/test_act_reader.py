@@ -88,9 +88,11 @@ def test_the_readers_sentence_cache_is_bounded_and_a_sentence_made_again_is_the_
     assert reader.act_probabilities("The lift stopped between floors at midnight.")["reflects"] <= 1.0
 
 
-@pytest.mark.parametrize("sentence", ["Oh.", "That sounds hard.", "You planned the whole trip, paid the deposits and still got "
-                                      "the blame when the hotel fell through, and nobody there stood up for you, not even "
-                                      "your sister, which must have hurt more than the money."])
+LONG = ("You planned the whole trip, paid the deposits and still got the blame when the hotel fell through, and nobody "
+        "there stood up for you, not even your sister, which must have hurt more than the money.")
+
+
+@pytest.mark.parametrize("sentence", ["Oh.", "That sounds hard.", LONG])
 def test_the_traced_encoder_gives_bertmodels_own_token_states_bit_for_bit_at_any_length(sentence):
     # The oracle is transformers' BertModel forward; the lengths differ from the trace's example sentence.
     reader = rule_user.reader()
