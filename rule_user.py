@@ -866,7 +866,10 @@ class RuleUser:
         if first_reply and not self._met_need:  # being heard is a start, not yet what I came for: a small gain
             points = min(points, GAIN_AT[self.variant]["gain"])
         if self._met_need and not specific and not first_reply and points > 0:
-            return "hollow", why + "; the right kind of thing, in words that could be about anyone", POINTS["hollow"]
+            hollow = why + "; the right kind of thing, in words that could be about anyone"
+            if missed:  # what I asked for counts for nothing, so what I cannot stand is all that is left
+                return "against", hollow, POINTS["against"] * min(len(missed), THRESHOLDS["against_max"])
+            return "hollow", hollow, POINTS["hollow"]
         if points >= GAIN_AT[self.variant]["gain_big"]:
             return "gain_big", why, POINTS["gain_big"]
         if points >= GAIN_AT[self.variant]["gain"]:
