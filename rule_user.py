@@ -31,8 +31,9 @@ Then, for each reply:
    someone who needs to hear they were not at fault. Listening beside what the need asks costs nothing ("heard,
    then answered"). On the first reply listening counts for everyone, for a small gain at most unless the
    reply also gives what the need asks. After it, what the need asks for in words that could be about anyone
-   (a template with the user's words slotted in) is hollow: worth nothing, whatever acts it names. GAIN_AT says
-   how many points a gain takes; vanilla needs fewer for a big one than challenging.
+   (a template with the user's words slotted in) is hollow: worth nothing, whatever acts it names, and what it
+   also does that the need cannot stand still costs. GAIN_AT says how many points a gain takes; vanilla needs
+   fewer for a big one than challenging.
 4. Frictions add to that: blame for someone who needs to hear it was not their fault, lecturing (neither when
    denied or reported: "I don't think you should have"), and patience: after the first reply, a reply that
    gives nothing the need asks for costs ("stalling"), and more right after the user said what they need

@@ -555,3 +555,18 @@ def test_a_content_user_whose_story_is_all_told_still_says_something(make_profil
     sim.history.append({"role": "assistant", "content": "..."})
     message = asyncio.run(sim._write_message("...", "", 0))
     assert message.strip() and (variant == "vanilla" or message in rule_user.STORY_TOLD)
+
+
+def test_a_hollow_reply_that_also_does_what_the_need_cannot_stand_loses(make_profile):
+    # Someone who wants a balanced view, heard on the first reply: "both sides" in words that could be about anyone
+    # is hollow (0); with praise beside it, which a balanced view cannot stand, what was asked for counts for nothing
+    # and the praise is what is left (-5). Before, the praise was outweighed by the hollow need and cost nothing,
+    # which let a need-blind reply naming several acts keep the first reply's gain (issue 48's 2-reply search).
+    profile = make_profile("balanced_analysis", personality="passive")
+    first = "So you have been carrying Dana and the wedding on your own. That makes complete sense given Lisbon."
+    both = "On the other hand, the wedding looks different from her side."
+    _, hollow = turns(profile, [first, both])
+    assert hollow.change == 0 and "could be about anyone (+0)" in hollow.reasoning
+    _, against = turns(profile, [first, "I'm proud of how you handled the concert. " + both])
+    assert against.change == -5 and "unwelcome praises" in against.reasoning
+    assert "could be about anyone (-5)" in against.reasoning
