@@ -56,7 +56,7 @@ import simulator  # noqa: E402
 SETS = Path(__file__).resolve().parent / "data" / "live_play"
 TRAJECTORIES = SETS / "trajectories.json"
 # The round played blind after the last change to the rules: the one that measures them. Earlier rounds tuned them.
-MEASURED_ROUND = "measure-2"
+MEASURED_ROUND = "measure-3"
 STYLES = ("skilled", "friend", "cold")
 # Reactions that tell the listener they were not heard or could have said it to anyone.
 NOT_HEARD = ("generic", "ignored", "stalling")

@@ -43,7 +43,7 @@ def test_every_degenerate_need_blind_strategy_ends_at_or_below_the_start_and_nev
 def test_adaptive_template_policies_end_at_least_30_below_the_skilled_listeners(skilled_mean, variant):
     templates = {**ADAPTIVE, "warm style (knows the need, templates)": REFERENCES["warm and specific (tests/reply_styles.py)"],
                  "reads the need (templates)": REFERENCES["reads the need from the dialogue (tests/reply_styles.py)"]}
-    assert skilled_mean == pytest.approx({"vanilla": 74.06, "challenging": 68.75}, abs=0.01)  # measure-2
+    assert skilled_mean == pytest.approx({"vanilla": 75.62, "challenging": 67.5}, abs=0.01)  # measure-3
     for name, strategy in templates.items():  # each variant against the skilled listeners of that variant
         assert statistics.mean(finals(strategy, variant, "benchmark")) <= skilled_mean[variant] - 30, name
 

@@ -58,8 +58,7 @@ def test_a_skilled_listener_is_paid_and_an_ordinary_friend_and_a_cold_one_less(m
 def test_few_skilled_replies_are_told_they_were_not_heard(measured):
     rows = set_table({path: (header, played) for path, (header, _, played) in measured.items()})
     skilled = rows[f"{MEASURED_ROUND}: skilled, vanilla"]
-    # The bar is 10%; measured 16 of 128 (12.5%), a miss docs/rule_user.md states. This holds the measure.
-    assert skilled["unheard"] <= 0.125 * skilled["later_replies"]
+    assert skilled["unheard"] <= 0.10 * skilled["later_replies"]  # the bar; 11 of 124 when measured
 
 
 def test_a_dialogue_is_never_started_over_another(tmp_path, capsys):
