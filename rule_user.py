@@ -482,6 +482,14 @@ NO_ACT = "none"  # the examples' label of a sentence that does none of the acts
 EMBEDDINGS_KEPT = 50_000
 
 
+def _keep(cache: dict, sentence: str, value):
+    """Keep a sentence's value, emptying the cache first once it holds EMBEDDINGS_KEPT: a long training run meets
+    ever new sentences."""
+    if len(cache) >= EMBEDDINGS_KEPT:
+        cache.clear()
+    cache[sentence] = value
+
+
 def _examples_digest() -> str:
     return hashlib.sha256(ACT_EXAMPLES.read_bytes()).hexdigest()
 
@@ -563,18 +571,16 @@ class SentenceReader:
     def fit(self) -> dict:
         """The read-out fitted on ACT_EXAMPLES, as ACT_READOUT keeps it (python rule_user.py writes it)."""
         examples = [json.loads(line) for line in ACT_EXAMPLES.read_text(encoding="utf-8").splitlines() if line.strip()]
-        weights, bias = self._fit([e["sentence"] for e in examples],
-                                  [self.acts.index(e["act"]) if e["act"] != NO_ACT else len(self.acts) for e in examples])
+        labels = [self.acts.index(e["act"]) if e["act"] != NO_ACT else len(self.acts) for e in examples]
+        weights, bias = self._fit([e["sentence"] for e in examples], labels)
         return {"examples_sha256": _examples_digest(), "weights": weights.tolist(), "bias": bias.tolist()}
 
     def embed(self, sentence: str):
         """The sentence's unit-length embedding (mean of the encoder's token states, as the model was trained)."""
         if sentence not in self._embeddings:
-            if len(self._embeddings) >= EMBEDDINGS_KEPT:  # a long training run meets ever new sentences
-                self._embeddings.clear()
             with self.torch.inference_mode():
                 mean = self._encoder(self.torch.tensor([self.tokenizer.encode(sentence).ids]))[0].mean(0)
-            self._embeddings[sentence] = mean / mean.norm()
+            _keep(self._embeddings, sentence, mean / mean.norm())
         return self._embeddings[sentence]
 
     def _embed_examples(self, sentences: list[str]):
@@ -621,10 +627,8 @@ class SentenceReader:
     def act_probabilities(self, sentence: str) -> dict[str, float]:
         """Each act's probability for one sentence, rounded so that the last bits of a float never decide."""
         if sentence not in self._probabilities:
-            if len(self._probabilities) >= EMBEDDINGS_KEPT:
-                self._probabilities.clear()
             probabilities = self.torch.softmax(self._features(sentence) @ self.weights + self.bias, -1)
-            self._probabilities[sentence] = {act: round(float(p), 3) for act, p in zip(self.acts, probabilities)}
+            _keep(self._probabilities, sentence, {act: round(float(p), 3) for act, p in zip(self.acts, probabilities)})
         return dict(self._probabilities[sentence])  # a copy: a caller may change what it gets
 
     def closeness(self, sentences: list[str], told: list[str]) -> float:
@@ -771,6 +775,7 @@ class RuleUser:
         # The facts of my story (backstory to the problem now, and my own words), not the sections on how
         # I react or the hidden theme: their words describe replies, not my life.
         self.story = content_keys(profile.scene.split("## Reactions")[0] + " ".join(self.lines))
+        self.need_in_words = set(_ngrams(_words(profile.task), 6))  # my hidden need, six words in a row
         self.next_line = 1  # own-words line 0 opens the dialogue
         self.remarks = 0  # need remarks made so far: each one the next of the need's
         self._showed_need = False  # my last message had a need remark
@@ -890,7 +895,7 @@ class RuleUser:
             found.append((key, explanation, POINTS[points_key or key]))
 
         words = _words(reply_text)
-        if SCORER_ADDRESSED.search(reply_text) or set(_ngrams(words, 6)) & set(_ngrams(_words(self.profile.task), 6)):
+        if SCORER_ADDRESSED.search(reply_text) or set(_ngrams(words, 6)) & self.need_in_words:
             defect("scorer", "spoke to a scorer or its instructions (my hidden need in its words), not to me")
         dismissive = [m for m in DISMISSIVE.finditer(reply_text) if not REPORTED.search(reply_text[:m.start()])]
         dismissive += [m for m in DISMISSIVE_COMMANDS.finditer(reply_text)

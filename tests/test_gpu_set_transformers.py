@@ -51,3 +51,16 @@ def test_the_generators_prefix_cache_works_on_the_gpu_sets_transformers(packaged
                             "-k", "cached_prefix or prefix_cache_match"],
                            capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     assert tests.returncode == 0 and "2 passed" in tests.stdout, tests.stdout[-3000:]
+
+
+def test_the_rule_user_reads_and_judges_the_same_on_the_gpu_sets_transformers(packaged_model):
+    """The rule user's encoder is BertModel's modules driven by rule_user.token_states: under the GPU set's
+    transformers the traced encoder must still give BertModel's own states bit for bit, and every measured blind
+    dialogue must replay to the messages and emotions its player saw (so a run on a GPU machine with the rule
+    backend is judged as the docs' figures were)."""
+    env = {**os.environ, "PYTHONPATH": str(overlay(gpu_set_transformers()))}
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_act_reader.py",
+                            "tests/test_live_play.py", "-k",
+                            "traced_encoder or replays_as_its_player_saw or recorded_emotions"],
+                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert tests.returncode == 0 and "5 passed" in tests.stdout, tests.stdout[-3000:]
