@@ -201,6 +201,10 @@ class Dialogue:
     simulator_seconds: float = 0.0
     end_reason: str | None = None
     failure: str | None = None  # the simulator's error, when it failed past its retries: no score
+    # --turn_groups (train_grpo.py): the dialogue whose replies this one takes over for its first
+    # `shared_turns` turns (None: its own), and how many; those turns are not trained.
+    leader: "Dialogue | None" = None
+    shared_turns: int = 0
 
     @property
     def done(self) -> bool:
@@ -290,10 +294,12 @@ class DialogueRunner:
             return await asyncio.gather(*(self.new_simulator(p).open() for p in profiles))
         return dict(zip((p.id for p in profiles), self.loop.run_until_complete(open_all())))
 
-    def run(self, starts: list[tuple], generate) -> list[Dialogue]:
+    def run(self, starts: list[tuple], generate, shared: list[tuple[int, int]] | None = None) -> list[Dialogue]:
         """Play one dialogue per (profile, opening line), in order; `generate(contexts, max_new_tokens)`
-        returns (sampled ids per context, their logprobs or None)."""
-        return self.loop.run_until_complete(self._run(starts, generate))
+        returns (sampled ids per context, their logprobs or None). `shared` (train_grpo.py's --turn_groups):
+        per dialogue, (index of the dialogue whose replies it takes over, for how many first turns); the
+        taken-over turns are played once, by that dialogue, and trained in none of them."""
+        return self.loop.run_until_complete(self._run(starts, generate, shared))
 
     def prompt_ids(self, profile, opening: str) -> list[int]:
         """The policy's prompt for a dialogue (system prompt and the user's opening); refused when it leaves
@@ -308,15 +314,20 @@ class DialogueRunner:
                                     f"{needed} tokens for its prompt and a short reply; raise it to at least {needed}")
         return prompt_ids
 
-    async def _run(self, starts, generate) -> list[Dialogue]:
+    async def _run(self, starts, generate, shared) -> list[Dialogue]:
         dialogues = []
         for profile, opening in starts:
             sim = self.new_simulator(profile)
             await sim.open(opening)
             dialogues.append(Dialogue(self._next_id, profile, sim, self.prompt_ids(profile, opening)))
             self._next_id += 1
+        for dialogue, (leader, turns) in zip(dialogues, shared or []):
+            dialogue.shared_turns = turns
+            dialogue.leader = dialogues[leader] if dialogues[leader] is not dialogue else None
         gate = asyncio.Semaphore(self.args.simulator_concurrency)
         lockstep_reason = getattr(generate, "lockstep_reason", None)
+        if shared and not lockstep_reason:  # followers wait for their leader's turn: one turn at a time
+            lockstep_reason = "the dialogues of a turn group share their first turns (--turn_groups)"
         if self.args.rollout == "lockstep" or lockstep_reason:
             if self.args.rollout == "async" and not self._told_lockstep:
                 print(f"--rollout async: lockstep instead, as {lockstep_reason}", flush=True)
@@ -374,11 +385,20 @@ class DialogueRunner:
         dialogue.turn_starts.append(len(dialogue.completion_ids))
 
     def _sample(self, active: list[Dialogue], generate, phase: str) -> list:
-        """One batched generate call for every active dialogue (lockstep); `_take`'s result for each."""
+        """One batched generate call for every active dialogue (lockstep); `_take`'s result for each. A dialogue
+        within its shared turns (--turn_groups) is not sampled: it takes its leader's ids, untrained."""
         budgets = [self._open_phase(dialogue, phase) for dialogue in active]
-        sampled, logprobs = generate([d.context() for d in active], budgets, stop=PHASE_STOP[phase])
-        return [self._take(dialogue, phase, ids, logprobs[index] if logprobs else None)
-                for index, (dialogue, ids) in enumerate(zip(active, sampled))]
+        turn = len(active[0].turn_ids) - 1 if active else 0
+        own = [index for index, d in enumerate(active) if d.leader is None or turn >= d.shared_turns]
+        sampled, logprobs = generate([active[i].context() for i in own], [budgets[i] for i in own],
+                                     stop=PHASE_STOP[phase])
+        by_dialogue = {id(active[i]): (ids, logprobs[n] if logprobs else None) for n, (i, ids) in
+                       enumerate(zip(own, sampled))}
+        results = []
+        for dialogue in active:
+            ids, its_logprobs = by_dialogue[id(dialogue if id(dialogue) in by_dialogue else dialogue.leader)]
+            results.append(self._take(dialogue, phase, ids, its_logprobs, trained=turn >= dialogue.shared_turns))
+        return results
 
     def _open_phase(self, dialogue: Dialogue, phase: str) -> int:
         """Start a phase of the dialogue's turn (a think phase inserts <think>); its token budget."""
@@ -389,13 +409,13 @@ class DialogueRunner:
             return min(self.args.max_think_tokens, room - len(self.segments.think_close) - MIN_REPLY_TOKENS)
         return min(self.args.max_reply_tokens, room)
 
-    def _take(self, dialogue: Dialogue, phase: str, ids: list[int], logprobs):
-        """Append a phase's sampled ids. Think phase: cut at </think>, force-close if needed; returns whether
-        the policy closed its thinking. Reply phase: returns the reply's ids."""
+    def _take(self, dialogue: Dialogue, phase: str, ids: list[int], logprobs, trained: bool = True):
+        """Append a phase's sampled ids (`trained`: in the loss). Think phase: cut at </think>, force-close if
+        needed; returns whether the policy closed its thinking. Reply phase: returns the reply's ids."""
         if phase == "think":
             ids, closed = self._cut_thought(ids)
             logprobs = logprobs[:len(ids)] if logprobs else None
-        dialogue.append(ids, sampled=True, logprobs=logprobs)
+        dialogue.append(ids, sampled=trained, logprobs=logprobs if trained else None)
         dialogue.turn_ids[-1] += ids
         if phase == "reply":
             return ids

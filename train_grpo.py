@@ -40,7 +40,7 @@ import rollout
 import simulator
 
 GRPO_RUN_SETTINGS = ("lora_target_modules", "num_generations", "beta", "loss_type", "turn_credit_coef",
-                     "turn_credit_baseline", "turn_credit_scale")  # with common.RUN_SETTINGS: what a resume keeps
+                     "turn_credit_baseline", "turn_credit_scale", "turn_groups")  # with common.RUN_SETTINGS: what a resume keeps
 
 # The offline demo. The paper's values in the comments; recipes/ hold them, and state
 # every key of this dict (tests/test_recipes.py): these are the parser's defaults under --config too.
@@ -82,6 +82,13 @@ class TurnCreditArguments:
     turn_credit_scale: Literal["std", "bound"] = field(default="std", metadata={
         "help": "std: divide by the std of the changes compared; bound: by the simulator's change bound"})
 
+    # GiGPO's anchor-state groups for dialogues: a group's replies compared from one context at every turn,
+    # not only at the first, where all of a profile's dialogues start alike.
+    turn_groups: bool = field(default=False, metadata={
+        "help": "each group of one profile's dialogues plays its first dialogue's replies up to a turn (the next "
+                "group the next turn, and so on from step to step) and parts there: the group's replies at that "
+                "turn answer one context and only they and the later turns are trained (the rule user only)"})
+
     def __post_init__(self):
         common.check_options(self, turn_credit_coef=common.NOT_NEGATIVE)
 
@@ -105,6 +112,9 @@ def parse_arguments(argv: list[str] | None = None):
         preflight.check_turn_credit(dialogue_args, credit_args, training_args)
     except common.ArgumentError as error:
         parser.error(str(error))
+    if credit_args.turn_groups and simulator_args.backend != "rule":
+        parser.error(f"--turn_groups with --backend {simulator_args.backend}: a group's dialogues share their first "
+                     "turns only with a user that answers the same reply the same way; use --backend rule")
     if str(training_args.resume_from_checkpoint).lower() in ("false", "none"):  # a path to transformers
         training_args.resume_from_checkpoint = None
     return dialogue_args, simulator_args, credit_args, training_args, model_args
@@ -142,6 +152,23 @@ def make_emotion_reward(dialogue_args: rollout.DialogueArguments):
                                                             columns["turns"], columns["failed"])]
 
     return emotion_reward
+
+
+def turn_group_plan(profile_ids: list[str], group_size: int, max_turns: int, first_group: int) -> list[tuple[int, int]]:
+    """--turn_groups: for each row, (its group's first row, the turns it shares with that row). Group k (counted
+    over all ranks and steps from `first_group`) parts at turn k mod max_turns, so a step covers every turn when
+    it has as many groups as turns. Refused when this rank's rows do not hold whole groups."""
+    plan = []
+    for first in range(0, len(profile_ids), group_size):
+        group = profile_ids[first:first + group_size]
+        if len(group) != group_size or len(set(group)) != 1:
+            raise common.InputError(
+                f"--turn_groups: this rank's {len(profile_ids)} rows do not come in whole groups of "
+                f"{group_size} dialogues of one profile; make --per_device_train_batch_size a multiple of "
+                f"--num_generations")
+        turns = (first_group + first // group_size) % max_turns
+        plan += [(first, turns)] * group_size
+    return plan
 
 
 def importance_ratios_cut(ratio: torch.Tensor, trained: torch.Tensor, args: GRPOConfig):
@@ -312,8 +339,14 @@ def main(argv: list[str] | None = None) -> None:
 
     def rollout_func(prompts: list[str], trainer) -> dict:
         starts = [(profiles[profile_id], openings[profile_id]) for profile_id in prompts]
+        shared = None
+        if credit_args.turn_groups:
+            groups = len(prompts) // training_args.num_generations
+            first_group = (trainer.state.global_step * trainer.accelerator.num_processes
+                           + trainer.accelerator.process_index) * groups
+            shared = turn_group_plan(prompts, training_args.num_generations, dialogue_args.max_turns, first_group)
         with generation.trainer_generator(trainer, dialogue_args.prefix_cache, dialogue_args.rollout) as generate:
-            dialogues = runner.run(starts, generate)
+            dialogues = runner.run(starts, generate, shared)
         # Before writing: a resumed run plays the step again.
         rollout.check_failures(dialogues, dialogue_args.max_failed_share, trainer.accelerator)
         rank = trainer.accelerator.process_index

@@ -617,3 +617,29 @@ def test_the_rollout_benchmark_checks_its_options_before_it_loads_anything(argv,
     with pytest.raises(SystemExit) as stopped:
         rollout_bench.main(argv)
     assert stopped.value.code in (1, 2) and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_a_turn_group_plays_its_first_dialogues_replies_once_untrained_and_parts_at_its_turn(tiny, think):
+    model, tokenizer = tiny
+    starts, _ = starts_for(tokenizer, profiles(2), copies=3)
+    recording = Recording(sampling_generator(model, tokenizer))
+    shared = [(0, 2)] * 3 + [(3, 1)] * 3  # the first group parts at its third turn, the second at its second
+    runner = DialogueRunner(tokenizer, roomy_args(think=think, max_turns=3, max_think_tokens=6, max_reply_tokens=10))
+    try:
+        dialogues = runner.run(starts, recording, shared)
+    finally:
+        runner.close()
+    calls_per_turn = 2 if think else 1
+    # Turn 1 samples the two leaders only, turn 2 the first group's leader and all of the second group, turn 3 all.
+    assert [len(call["contexts"]) for call in recording.calls[::calls_per_turn]] == [2, 4, 6]
+    for group, parted in ((dialogues[:3], 2), (dialogues[3:], 1)):
+        assert all(d.reply_texts[:parted] == group[0].reply_texts[:parted] for d in group)
+        assert all(d.emotions[:parted] == group[0].emotions[:parted] for d in group)
+        for dialogue in group:
+            turns = dialogue.token_turns()
+            assert not any(turn in range(parted) for turn in turns)  # shared turns: no token trained
+            trained = [turn for turn in turns if turn >= 0]
+            assert set(trained) == set(range(parted, len(dialogue.turn_ids)))
+            assert sum(dialogue.env_mask) == sum(len(ids) for ids in dialogue.turn_ids[parted:])
+    assert len({d.reply_texts[2] for d in dialogues[:3]}) > 1  # parted: its own samples from there

@@ -370,3 +370,33 @@ def test_a_rank_that_dies_ends_the_other_in_one_line_instead_of_a_hang(tiny_mode
     assert status != 0 and "Traceback" not in "\n".join(rank_0), said[-3000:]
     assert ("stopped by SIGTERM: nothing new saved" in said
             or "error: a collective with the run's other processes failed" in said), said[-3000:]
+
+
+def test_turn_groups_part_each_group_at_the_next_turn_across_groups_ranks_and_steps():
+    ids = ["a"] * 3 + ["b"] * 3 + ["c"] * 3
+    assert train_grpo.turn_group_plan(ids, 3, 2, first_group=0) == [(0, 0)] * 3 + [(3, 1)] * 3 + [(6, 0)] * 3
+    assert train_grpo.turn_group_plan(ids, 3, 4, first_group=5) == [(0, 1)] * 3 + [(3, 2)] * 3 + [(6, 3)] * 3
+    with pytest.raises(common.InputError, match="multiple of --num_generations"):
+        train_grpo.turn_group_plan(["a", "a", "b", "b"], 3, 2, first_group=0)  # a group split across ranks
+    with pytest.raises(common.InputError, match="whole groups"):
+        train_grpo.turn_group_plan(["a", "a", "b", "b"], 4, 2, first_group=0)
+
+
+def test_turn_groups_need_a_user_that_answers_one_reply_one_way(capsys):
+    with pytest.raises(SystemExit):
+        train_grpo.parse_arguments(["--turn_groups", "--backend", "llm", "--base_url", "http://127.0.0.1:9/v1"])
+    assert "--turn_groups with --backend llm" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_turn_groups_run_shares_its_second_groups_first_reply(tiny_model_dir, tmp_path):
+    command = [sys.executable, str(REPO / "train_grpo.py"), "--model_name_or_path", str(tiny_model_dir),
+               "--output_dir", str(tmp_path), "--max_steps", "1", "--max_turns", "2", "--max_reply_tokens", "8",
+               "--num_generations", "3", "--per_device_train_batch_size", "6", "--turn_groups"]
+    finished = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "transcripts.jsonl").read_text().splitlines()]
+    first_replies = [[m["content"] for m in row["history"] if m["role"] == "assistant"][0] for row in rows]
+    assert len(set(first_replies[3:])) == 1  # the second group parts at its second turn
+    assert len(set(first_replies[:3])) > 1  # the first at its first
+    assert "lockstep instead" in finished.stdout
