@@ -7,6 +7,8 @@ policy's better samples, the ceiling a CPU demo is judged against (docs/results.
 
     python benchmarks/best_of_n.py --n 1 4 16                   # benchmark protocol: 16 scenarios, start 40
     python benchmarks/best_of_n.py --protocol train --n 16 --turns 2 --temperature 1.0 --max_reply_tokens 48
+    python benchmarks/best_of_n.py --protocol held_out --n 1 --copies 8 --model runs/grpo-demo \
+        --temperature 1.0 --max_reply_tokens 48      # a trained adapter on profiles it never trained on
 
 Prints, for each n, the mean final emotion with its 95% bootstrap interval, and per turn the share of all
 candidates the rule user scored +5 or more, 0, and -5 or less, and its most frequent reasons (rule_user.py's
@@ -86,8 +88,10 @@ def best_of_n(generate, tokenizer, profiles, n: int, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, nargs="+", default=[1, 4, 16], help="candidates per turn")
-    parser.add_argument("--protocol", choices=["benchmark", "train"], default="benchmark",
-                        help="benchmark: our 16 scenarios from 40, 9 turns; train: the training profiles from 30")
+    parser.add_argument("--protocol", choices=["benchmark", "train", "held_out"], default="benchmark",
+                        help="benchmark: our 16 scenarios from 40, 9 turns; train: the training profiles from 30; "
+                             "held_out: the 16 scenarios played as training is (from 30, 2 turns, the training prompt)")
+    parser.add_argument("--copies", type=int, default=1, help="dialogues per profile")
     parser.add_argument("--turns", type=int, help="judged replies (default: the protocol's, 9 or 2)")
     parser.add_argument("--model", default=common.PACKAGED_MODEL)
     parser.add_argument("--temperature", type=float, default=0.7, help="the benchmark's default")
@@ -97,12 +101,16 @@ def main() -> None:
     parser.add_argument("--output", help="JSON Lines file to append one row per n to (a new file)")
     args = parser.parse_args()
     benchmark = args.protocol == "benchmark"
-    args.turns = args.turns or (simulator.BENCHMARK_MAX_TURNS if benchmark else 2)
+    args.turns = (simulator.BENCHMARK_MAX_TURNS if benchmark else 2) if args.turns is None else args.turns
     args.start_emotion = simulator.BENCHMARK_START_EMOTION if benchmark else simulator.TRAIN_START_EMOTION
     args.policy_prompt = "sentient" if benchmark else "policy"
+    if min(args.n + [args.copies, args.turns]) < 1:
+        raise SystemExit("--n, --copies and --turns take whole numbers of at least 1")
     if args.output and Path(args.output).exists():
         raise SystemExit(f"--output {args.output} exists: choose a new file (results are never overwritten)")
-    profiles = simulator.load_profiles(simulator.DEFAULT_BENCHMARK_PROFILES if benchmark else simulator.DEFAULT_PROFILES)
+    train = args.protocol == "train"
+    profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES if train else simulator.DEFAULT_BENCHMARK_PROFILES)
+    profiles = [profile for profile in profiles for _ in range(args.copies)]
 
     common.use_all_cpu_cores()
     folder = common.resolve_model(args.model)
@@ -117,7 +125,7 @@ def main() -> None:
         started = time.perf_counter()
         result = {**best_of_n(generate, tokenizer, profiles, n, args), "protocol": args.protocol,
                   "model": args.model, "temperature": args.temperature, "max_reply_tokens": args.max_reply_tokens,
-                  "turns": args.turns, "variant": args.variant, "seed": args.seed,
+                  "turns": args.turns, "variant": args.variant, "seed": args.seed, "copies": args.copies,
                   "seconds": round(time.perf_counter() - started, 1)}
         print(f"n={n}: {result['score']:.1f} ({result['interval'][0]:.1f}-{result['interval'][1]:.1f}), "
               f"{result['failures']} below 10, {result['reached_100']} at 100, {result['seconds']} s")

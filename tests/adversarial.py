@@ -2,6 +2,7 @@
 rule user, next to the warm style and a neutral reply: the floor a trained model must beat.
 
     python tests/adversarial.py            # both variants, training and benchmark protocols
+    python tests/adversarial.py --held_out # the 16 benchmark profiles played as the demo trains (start 30, 2 replies)
 
 Every strategy sees what a policy sees (the user's messages so far) plus, for the ones that
 address the user by name, the profile's persona; none reads the hidden intention. Words are drawn
@@ -227,6 +228,10 @@ PROTOCOLS = {  # name: (profile file, start emotion, judged replies)
 }
 
 
+# What a trained adapter is compared with on profiles it never trained on (docs/results.md).
+HELD_OUT = {"held-out, 2 turns": (simulator.DEFAULT_BENCHMARK_PROFILES, simulator.TRAIN_START_EMOTION, 2)}
+
+
 async def play(profile, strategy, variant: str, start: int, max_turns: int, seed: int = 0) -> int:
     """The final emotion of one whole dialogue whose replies `strategy` writes."""
     user = simulator.RuleSimulator(profile, **user_options(variant=variant, start_emotion=start, max_turns=max_turns))
@@ -241,7 +246,7 @@ async def play(profile, strategy, variant: str, start: int, max_turns: int, seed
 
 
 def finals(strategy, variant: str, protocol: str) -> list[int]:
-    path, start, max_turns = PROTOCOLS[protocol]
+    path, start, max_turns = {**PROTOCOLS, **HELD_OUT}[protocol]
     profiles = simulator.load_profiles(path)
 
     async def run():
@@ -250,15 +255,15 @@ def finals(strategy, variant: str, protocol: str) -> list[int]:
     return asyncio.run(run())
 
 
-def table() -> dict:
+def table(protocols=PROTOCOLS) -> dict:
     """{(strategy, variant, protocol): final emotions}, for every strategy and reference."""
     return {(name, variant, protocol): finals(strategy, variant, protocol)
             for name, strategy in {**REFERENCES, **STRATEGIES, **ADAPTIVE}.items()
-            for variant in simulator.VARIANTS for protocol in PROTOCOLS}
+            for variant in simulator.VARIANTS for protocol in protocols}
 
 
-def format_table(results: dict) -> str:
-    columns = [(variant, protocol) for protocol in PROTOCOLS for variant in simulator.VARIANTS]
+def format_table(results: dict, protocols=PROTOCOLS) -> str:
+    columns = [(variant, protocol) for protocol in protocols for variant in simulator.VARIANTS]
     lines = ["| strategy | " + " | ".join(f"{p}, {v}: mean (at 100)" for v, p in columns) + " |",
              "| --- |" + " --- |" * len(columns)]
     for name in {**REFERENCES, **STRATEGIES, **ADAPTIVE}:
@@ -272,6 +277,9 @@ def format_table(results: dict) -> str:
 
 if __name__ == "__main__":
     try:
-        print(format_table(table()))
+        chosen = HELD_OUT if sys.argv[1:] == ["--held_out"] else PROTOCOLS
+        if sys.argv[1:] not in ([], ["--held_out"]):
+            raise SystemExit("usage: python tests/adversarial.py [--held_out]")
+        print(format_table(table(chosen), chosen))
     except KeyboardInterrupt:
         common.exit_interrupted("nothing measured (the table is printed at the end)")

@@ -2,6 +2,8 @@
 candidate the rule user scores highest is the one sent, and the per-turn shares count every candidate."""
 import asyncio
 import importlib.util
+import subprocess
+import sys
 from argparse import Namespace
 from pathlib import Path
 
@@ -47,3 +49,9 @@ def test_the_best_scoring_candidate_is_sent_whichever_place_it_was_sampled_in(pa
     assert result["score"] == pytest.approx(sum(expected) / 2)  # the warm replies were the ones sent
     turn = result["per_turn"][0]
     assert turn["candidates"] == 6 and turn["share_minus5"] >= 4 / 6  # the four "anyone" replies
+
+
+@pytest.mark.parametrize("flag", [["--n", "0"], ["--copies", "0"], ["--turns", "0"]])
+def test_counts_below_one_are_refused_before_the_model_loads(flag):
+    finished = subprocess.run([sys.executable, str(SCRIPT), *flag], capture_output=True, text=True, timeout=120)
+    assert finished.returncode != 0 and "at least 1" in finished.stderr and "Traceback" not in finished.stderr
