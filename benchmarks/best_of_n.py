@@ -113,7 +113,7 @@ def main() -> None:
     profiles = [profile for profile in profiles for _ in range(args.copies)]
 
     common.use_all_cpu_cores()
-    folder = common.resolve_model(args.model)
+    folder = common.loadable_model(args.model)  # a trained adapter merged onto its base once
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0,
