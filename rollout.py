@@ -389,16 +389,14 @@ class DialogueRunner:
         within its shared turns (--turn_groups) is not sampled: it takes its leader's ids, untrained."""
         budgets = [self._open_phase(dialogue, phase) for dialogue in active]
         turn = len(active[0].turn_ids) - 1 if active else 0
-        own = [index for index, d in enumerate(active) if d.leader is None or turn >= d.shared_turns]
+        source = [d.leader if d.leader is not None and turn < d.shared_turns else d for d in active]
+        own = [index for index, d in enumerate(active) if source[index] is d]
         sampled, logprobs = generate([active[i].context() for i in own], [budgets[i] for i in own],
                                      stop=PHASE_STOP[phase])
-        by_dialogue = {id(active[i]): (ids, logprobs[n] if logprobs else None) for n, (i, ids) in
-                       enumerate(zip(own, sampled))}
-        results = []
-        for dialogue in active:
-            ids, its_logprobs = by_dialogue[id(dialogue if id(dialogue) in by_dialogue else dialogue.leader)]
-            results.append(self._take(dialogue, phase, ids, its_logprobs, trained=turn >= dialogue.shared_turns))
-        return results
+        by_source = {id(active[i]): (ids, logprobs[n] if logprobs else None)
+                     for n, (i, ids) in enumerate(zip(own, sampled))}
+        return [self._take(d, phase, *by_source[id(source[index])], trained=turn >= d.shared_turns)
+                for index, d in enumerate(active)]
 
     def _open_phase(self, dialogue: Dialogue, phase: str) -> int:
         """Start a phase of the dialogue's turn (a think phase inserts <think>); its token budget."""
