@@ -100,6 +100,34 @@ def _as_list(value):
 # Generation backends: contexts of token ids in, sampled ids (and their logprobs) out
 # --------------------------------------------------------------------------------------------
 
+def thread_devices() -> tuple:
+    """This thread's device choices: CUDA's current device (None while CUDA is not in use) and torch's default
+    device. Both are per thread."""
+    return (torch.cuda.current_device() if torch.cuda.is_initialized() else None, torch.get_default_device())
+
+
+def select_devices(devices: tuple) -> None:
+    """Make `thread_devices()`'s choices this thread's."""
+    cuda, default = devices
+    if cuda is not None:
+        torch.cuda.set_device(cuda)
+    torch.set_default_device(None if default == torch.device("cpu") else default)
+
+
+def on_callers_devices(generate):
+    """`generate`, to be called from other threads, on the devices the calling thread has selected now.
+    accelerate selects each rank's GPU in its main thread only, and a new thread starts on GPU 0: vLLM's
+    engine steps in the thread that calls it (its Triton kernels and its output copy go by the thread's
+    current device), so on ranks 1-7 a worker thread's call would run against GPU 0."""
+    devices = thread_devices()
+
+    def on_devices(*args, **kwargs):
+        select_devices(devices)  # every call: the executor's threads vary
+        return generate(*args, **kwargs)
+
+    return on_devices
+
+
 class TransformersGenerator:
     """Batched sampling with `model.generate` over left-padded contexts. A generator serves one set of
     weights: make a new one after every update (the training scripts make one per rollout).
@@ -383,22 +411,11 @@ class VLLMServerGenerator:
     def push_weights(self, model) -> None:
         """Every weight in ONE update session: vLLM rebuilds each layer touched in a session from what
         that session sent, so a fused layer (qkv_proj from q, k, v; gate_up_proj from gate, up) sent in
-        parts over several sessions would keep uninitialised memory for the parts sent elsewhere.
-
-        A PEFT model is sent as plain weights under the base model's names, each LoRA layer's weight
-        merged out of place (base + the adapter's delta, one layer at a time as they stream): merging in
-        place and unmerging after would not give a bf16 base back exactly, and the frozen weights would
-        drift a little with every push."""
-        lora_layers = _lora_layers(model)  # None: not a PEFT model
-        weights = []  # (vLLM's name, the parameter, its LoRA layer or None)
-        for name, parameter in model.named_parameters():
-            if lora_layers is None:
-                weights.append((name, parameter, None))
-            elif "lora_" not in name:
-                base_name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-                weights.append((base_name, parameter, lora_layers.get(name)))
+        parts over several sessions would keep uninitialised memory for the parts sent elsewhere. A PEFT
+        model's weights are merged out of place as they stream (`vllm_parameters`)."""
+        weights = list(vllm_parameters(model))
         metadata = [(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)) for name, tensor, _ in weights]
-        self.client.update_named_params(metadata, ((name, _merged_weight(parameter, layer))
+        self.client.update_named_params(metadata, ((name, merged_weight(parameter, layer))
                                                    for name, parameter, layer in weights))
         self.client.reset_prefix_cache()
 
@@ -419,6 +436,21 @@ class VLLMServerGenerator:
         return sampled, logprobs
 
 
+def vllm_parameters(model):
+    """(vLLM's name, parameter, its LoRA layer or None) for each weight a vLLM engine holds; push
+    `merged_weight(parameter, layer)`. A PEFT model's weights go under the base model's names, its LoRA
+    weights left out, each LoRA layer's base weight to be merged out of place (base + the adapter's delta in a
+    new tensor, one layer at a time as they stream): merging in place and unmerging after, as peft does, does
+    not give a bf16 base back exactly, and the frozen weights would drift a little with every push."""
+    lora_layers = _lora_layers(model)  # None: not a PEFT model
+    for name, parameter in model.named_parameters():
+        if lora_layers is None:
+            yield name, parameter, None
+        elif "lora_" not in name and "original_module" not in name:  # original_module: under modules_to_save
+            base_name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            yield base_name.replace("modules_to_save.default.", ""), parameter, lora_layers.get(name)
+
+
 def _lora_layers(model) -> dict | None:
     """{name of a base weight: its LoRA layer} of a PEFT model (adapters not merged into the base), else None."""
     if not hasattr(model, "peft_config"):
@@ -429,7 +461,7 @@ def _lora_layers(model) -> dict | None:
             if isinstance(module, LoraLayer) and not module.merged and not module.disable_adapters}
 
 
-def _merged_weight(weight: torch.Tensor, lora_layer) -> torch.Tensor:
+def merged_weight(weight: torch.Tensor, lora_layer) -> torch.Tensor:
     """The weight with its LoRA layer's active adapters added as peft's merge adds them, in a new tensor."""
     merged = weight.detach()
     for adapter in lora_layer.active_adapters if lora_layer is not None else []:

@@ -488,12 +488,14 @@ class TurnBatcher:
     `generate(contexts, budgets, stop)`: whichever dialogues are waiting share one call. A call is made
     once every unfinished dialogue waits, or `wait` seconds after the first of them began waiting; it
     serves the phase of the longest-waiting request (one stop string a call), rows in dialogue order, in
-    a worker thread, so the simulators' calls go on meanwhile. One call at a time: a generator serves one
-    batch (transformers' prefix cache, an in-process vLLM engine). When the simulated users answer at
-    once (the rule user), every call holds the same dialogues, in the same order, as lockstep's."""
+    a worker thread (on the devices the rank selected: `generation.on_callers_devices`), so the simulators'
+    calls go on meanwhile. One call at a time: a generator serves one batch (transformers' prefix cache, an
+    in-process vLLM engine). When the simulated users answer at once (the rule user), every call holds the
+    same dialogues, in the same order, as lockstep's."""
 
     def __init__(self, generate, dialogues: int, wait: float):
-        self.generate, self.wait = generate, wait
+        self.generate = generation.on_callers_devices(generate)  # made in the rank's main thread
+        self.wait = wait
         self.playing = dialogues  # dialogues not finished
         self.waiting = []  # (dialogue id, context, budget, stop, future)
         self.changed = asyncio.Event()

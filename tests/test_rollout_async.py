@@ -210,3 +210,42 @@ def test_trls_vllm_generate_is_left_in_lockstep_exactly_where_it_is_a_collective
     assert "tensor parallelism 2" in reason("colocate", tensor_parallel_size=2)
     assert "sleep mode" in reason("colocate", enable_sleep_mode=True)
     assert "gathers every rank's prompts" in reason("server")
+
+
+def test_async_generate_calls_run_in_worker_threads_on_the_devices_the_ranks_main_thread_selected(monkeypatch):
+    """CUDA's current device is per thread and accelerate selects a rank's GPU in its main thread only; a
+    worker thread that generates must select it again, or on ranks 1-7 it would run on GPU 0. CUDA itself is
+    a recorded seam here (a per-thread current device), torch's default device the real per-thread setting."""
+    import asyncio
+    import threading
+
+    selected = threading.local()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(selected, "index", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: setattr(selected, "index", index))
+    seen = []
+
+    def generate(contexts, max_new_tokens, stop=None):
+        seen.append((threading.current_thread() is threading.main_thread(), torch.cuda.current_device(),
+                     torch.empty(0).device.type))
+        return [[7] for _ in contexts], None
+
+    async def play(dialogues: int):
+        batcher = rollout.TurnBatcher(generate, dialogues, wait=0.0)
+
+        async def dialogue(dialogue_id):
+            for turn in range(3):
+                await batcher.sample([1, 2, 3], 4, None, (dialogue_id, turn, "reply"))
+                await asyncio.sleep(0)
+            batcher.finished()
+
+        await rollout.run_all([batcher.serve()] + [dialogue(i) for i in range(dialogues)])
+
+    torch.cuda.set_device(3)  # rank 3, as accelerate selects it
+    torch.set_default_device("meta")
+    try:
+        asyncio.run(play(2))
+    finally:
+        torch.set_default_device(None)
+    assert len(seen) >= 3 and not any(main for main, _, _ in seen)  # the calls ran in worker threads
+    assert {(device, default) for _, device, default in seen} == {(3, "meta")}
