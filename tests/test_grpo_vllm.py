@@ -3,7 +3,9 @@ vllm of tests/fake_vllm (its `LLM` for colocate mode, its `trl vllm-serve` for s
 vLLM, the trainer's own model, down to DeepSpeed ZeRO-3 on 2 CPU ranks."""
 import collections
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -286,3 +288,90 @@ def test_under_zero3_a_rank_whose_dialogues_ended_keeps_generating_in_step_with_
     assert ranks[0]["forwards"] == ranks[1]["forwards"] > 0
     assert all(len(lengths) == 2 and all(0 < n <= 6 for n in lengths) for lengths in ranks[0]["calls"])
     assert ranks[1]["calls"][1:3] == ranks[1]["calls"][4:6] == [[], []]
+
+
+def lora_policy(model_dir):
+    """The tiny model in bf16 with a LoRA adapter whose lora_B is not zero (as after some training)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16),
+                          LoraConfig(r=4, lora_alpha=8, init_lora_weights=False))
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_trls_lora_sync_to_vllm_sends_peft_merged_weights_and_leaves_the_bf16_base_bit_identical(tiny_model_dir,
+                                                                                                zero_stage):
+    """TRL's own sync merges the adapter in place and unmerges it after, which in bf16 moves the frozen base a
+    little at every step. Outside ZeRO-3 train_grpo.py makes it merge out of place: 10 syncs leave every weight as
+    it was and send, each time, peft's merge under vLLM's names. Under ZeRO-3 TRL's own way is kept (it merges
+    gathered copies that DeepSpeed discards)."""
+    import copy
+
+    import torch
+    from trl.distributed import DistributedBackend
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    import train_grpo
+
+    policy = lora_policy(tiny_model_dir)
+    sync = SimpleNamespace(model=policy, _dist=DistributedBackend(SimpleNamespace(state=SimpleNamespace(
+        deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage) if zero_stage else None))))
+    sync._fix_param_name_to_vllm = VLLMGeneration._fix_param_name_to_vllm.__get__(sync)
+    sync._iter_named_params = VLLMGeneration._iter_named_params.__get__(sync)
+    trls_own = sync._iter_named_params
+    train_grpo.merge_lora_out_of_place(sync)
+    if zero_stage == 3:
+        assert sync._iter_named_params == trls_own
+        return
+    before = {name: parameter.detach().clone() for name, parameter in policy.named_parameters()}
+    merged = dict(copy.deepcopy(policy).merge_and_unload().named_parameters())
+    sent = [dict(sync._iter_named_params()) for _ in range(10)]
+    for name, parameter in policy.named_parameters():
+        assert torch.equal(parameter, before[name]), name
+    assert set(sent[0]) == set(merged)
+    for name, weight in merged.items():
+        assert sent[-1][name].dtype == torch.bfloat16 and torch.equal(sent[-1][name], weight), name
+    # What the test guards against: TRL's in-place round trip, on the same weights, does move them.
+    for _ in range(10):
+        list(trls_own())
+    assert any(not torch.equal(parameter, before[name]) for name, parameter in policy.named_parameters())
+
+
+LORA_SYNC_RUN = """
+import json, os, sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+from trl.generation import vllm_generation
+import train_grpo
+
+frozen = lambda model: {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+first, syncs, original = {}, [], vllm_generation.VLLMGeneration.sync_weights
+
+def sync_weights(self):
+    first or first.update(frozen(self.model))
+    original(self)
+    after = frozen(self.model)
+    syncs.append(sum(int((first[n] != after[n]).sum()) for n in after))
+
+vllm_generation.VLLMGeneration.sync_weights = sync_weights
+train_grpo.main(sys.argv[3:])
+print("SYNCS " + json.dumps(syncs))
+"""
+
+
+def test_grpo_with_lora_and_colocated_vllm_in_bf16_trains_on_an_unmoved_base(tiny_model_dir, tmp_path):
+    """train_grpo.py as a user runs it (--use_peft true --dtype bfloat16, vLLM colocated), 3 steps: the frozen base
+    weights are what the first sync found after every sync (with TRL's in-place merge, hundreds moved by the
+    third)."""
+    finished = subprocess.run(
+        [sys.executable, "-c", LORA_SYNC_RUN, FAKE, REPO, "--model_name_or_path", tiny_model_dir, "--output_dir",
+         tmp_path / "run", "--use_vllm", "--vllm_mode", "colocate", "--use_cpu", "true", "--use_peft", "true",
+         "--dtype", "bfloat16", "--max_steps", "3", "--max_turns", "2", "--num_generations", "2",
+         "--per_device_train_batch_size", "4", "--max_reply_tokens", "16", "--report_to", "none"],
+        capture_output=True, text=True, cwd=REPO, timeout=400,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"})
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    syncs = json.loads(finished.stdout.split("SYNCS ")[-1])
+    assert len(syncs) == 3 and syncs == [0, 0, 0]
