@@ -340,6 +340,11 @@ def vllm_lockstep_reason(vllm_generation) -> str | None:
     return None
 
 
+def server_url(base_url: str | None, host: str, port: int) -> str:
+    """A vLLM server's address as TRL takes it: the base URL if given, else host and port."""
+    return base_url or f"http://{host}:{port}"
+
+
 class VLLMServerTurns:
     """Each dialogue's turn as a request of its own to a vLLM server's /v1/completions (`trl vllm-serve` runs
     stock `vllm serve`), for --rollout async: every rank sends its dialogues' turns as they become ready,
@@ -360,7 +365,7 @@ class VLLMServerTurns:
     def of_trainer(cls, trainer):
         """For a TRL trainer with `vllm_mode="server"`: its server and sampling settings, the step's seed."""
         generation, args = trainer.vllm_generation, trainer.args
-        base_url = generation.server_base_url or f"http://{generation.server_host}:{generation.server_port}"
+        base_url = server_url(generation.server_base_url, generation.server_host, generation.server_port)
         sampling = {"temperature": generation.temperature, "top_p": generation.top_p, "top_k": generation.top_k,
                     "min_p": generation.min_p or 0.0, "repetition_penalty": generation.repetition_penalty,
                     **(generation.generation_kwargs or {})}
@@ -401,6 +406,9 @@ class VLLMServerGenerator:
         self.client = VLLMClient(host=host, server_port=port, connection_timeout=240)
         self.client.init_communicator()
         self.host, self.port, self.temperature = host, port, temperature
+
+    def max_model_len(self) -> int:
+        return self.client.get_server_info()["model_config"]["max_model_len"]
 
     def turns(self, seed: int, step: int, rank: int) -> VLLMServerTurns:
         """The same server and temperature, a request for each turn (--rollout async)."""
@@ -531,6 +539,20 @@ def load_generator(args, folder: str, tokenizer):
         if args.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     return TransformersGenerator(model, tokenizer, GenerationConfig(
         eos_token_id=sorted(end_of_turn_ids(tokenizer)), pad_token_id=pad_id, **sampling))
+
+
+def trainer_max_model_len(trainer) -> int:
+    """The max_model_len of a TRL trainer's vLLM: its colocated engine's, or its server's (asked by the main
+    process, whose client TRL made, and sent to the others)."""
+    from accelerate.utils import broadcast_object_list
+
+    vllm_generation = trainer.vllm_generation
+    if vllm_generation.mode == "colocate":
+        return vllm_generation.llm.llm_engine.model_config.max_model_len
+    length = [None]
+    if trainer.accelerator.is_main_process:
+        length = [vllm_generation.vllm_client.get_server_info()["model_config"]["max_model_len"]]
+    return broadcast_object_list(length)[0]
 
 
 @contextmanager

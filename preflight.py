@@ -3,9 +3,12 @@ loads, so that a mistake costs seconds, not a model load and a traceback; and GR
 prepared. Kept apart so that the training scripts read as their algorithm; each trainer's `check_inputs` lists
 the checks it runs, in order."""
 import json
+import os
+import re
 import sys
 import warnings
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import DistributedType, LoggerType
@@ -196,6 +199,44 @@ def prepare_resume(training_args: GRPOConfig, transcripts: Path) -> None:
 # --------------------------------------------------------------------------------------------
 # PPO (train_ppo.py)
 # --------------------------------------------------------------------------------------------
+
+THIS_MACHINE = re.compile(r"localhost|127\.[0-9.]+|0\.0\.0\.0|::1")  # recipes/slurm_multinode.sh refuses the same
+
+
+def names_this_machine(address: str) -> bool:
+    """Whether a URL or host name means whichever machine reads it."""
+    host = urlsplit(address).hostname if "://" in address else address.strip("[]")
+    return bool(host) and THIS_MACHINE.fullmatch(host) is not None
+
+
+def check_addresses_on_several_nodes(simulator_args, vllm_server: str | None = None) -> None:
+    """On several nodes every rank calls the simulator's endpoint itself, and with --rollout async in vLLM server
+    mode (`vllm_server`: its address then) it sends its own turns to the server: an address naming the machine
+    itself names another machine on each node, and the first rollout would fail there."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world <= int(os.environ.get("LOCAL_WORLD_SIZE", world)):  # one node (torchrun sets both)
+        return
+    base_url = simulator_args.base_url or os.environ.get("OPENAI_BASE_URL") or ""
+    if simulator_args.backend == "llm" and names_this_machine(base_url):
+        raise common.InputError(f"--base_url {base_url} names each node itself, and every rank calls the simulator; "
+                                "give a host every node reaches, e.g. http://SIMULATOR_HOST:8001/v1")
+    if vllm_server is not None and names_this_machine(vllm_server):
+        raise common.InputError(f"the vLLM server at {vllm_server} is named as each node itself, and with --rollout "
+                                "async every rank sends its turns there; give --vllm_server_base_url (or "
+                                "--vllm_server_host) with a host every node reaches, or --rollout lockstep (only the "
+                                "main process talks to the server then)")
+
+
+def check_vllm_length(max_model_len: int, max_dialogue_tokens: int) -> None:
+    """Refuse a vLLM engine or server shorter than the dialogues: a turn's request keeps context + budget within
+    --max_dialogue_tokens, which vLLM serves only within its max_model_len; past it a request fails (HTTP 400,
+    or a refused prompt) the first time a dialogue grows that long, possibly hours into the run."""
+    if max_model_len < max_dialogue_tokens:
+        raise common.InputError(
+            f"vLLM's max_model_len is {max_model_len}, below --max_dialogue_tokens {max_dialogue_tokens}: a dialogue "
+            "growing past it would fail mid-run; lower --max_dialogue_tokens, or raise vLLM's length "
+            "(--vllm_max_model_length colocated, the server's --max-model-len)")
+
 
 def check_tracker(report_to: str) -> None:
     """accelerate drops a tracker whose package is missing without a word: the run would log nothing; it

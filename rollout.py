@@ -1,7 +1,7 @@
 """Multi-turn dialogues between the policy and simulated users, at token level.
 
 Two schedules (`--rollout`), which play the same dialogues when the policy decodes greedily or with
-per-request seeds (tests/test_rollout_async.py):
+per-request seeds (tests/test_rollout_async.py; on a GPU's vLLM only with VLLM_BATCH_INVARIANT=1):
 - async (the default): each dialogue is its own task, and asks for its next policy turn as soon as its
   own simulated user has answered. Its turns are sampled by `TurnBatcher` (one batched generate call for
   whichever dialogues are waiting: transformers, in-process vLLM) or sent as requests of their own to a

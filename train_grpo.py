@@ -301,6 +301,7 @@ def check_inputs(argv, dialogue_args, simulator_args, credit_args, training_args
     profiles = {p.id: p for p in simulator.load_playable_profiles(dialogue_args.profiles, simulator_args,
                                                                    dialogue_args.think)}
     preflight.check_profile_count(len(profiles), dialogue_args.profiles, training_args)
+    preflight.check_addresses_on_several_nodes(simulator_args, vllm_server_address(training_args, dialogue_args))
     common.check_process_count(training_args.distributed_state)
     settings = common.run_settings(common.RUN_SETTINGS + GRPO_RUN_SETTINGS, dialogue_args, simulator_args,
                                    credit_args, model_args, training_args)
@@ -309,6 +310,14 @@ def check_inputs(argv, dialogue_args, simulator_args, credit_args, training_args
                             training_args.distributed_state)
     common.check_model_folder(model_path, "model_name_or_path")
     return model_path, profiles
+
+
+def vllm_server_address(training_args: GRPOConfig, dialogue_args) -> str | None:
+    """The vLLM server every rank sends its turns to (server mode, --rollout async), else None."""
+    if not (training_args.use_vllm and training_args.vllm_mode == "server" and dialogue_args.rollout == "async"):
+        return None
+    return generation.server_url(training_args.vllm_server_base_url, training_args.vllm_server_host,
+                                 training_args.vllm_server_port)
 
 
 def train_and_save(trainer: DialogueGRPOTrainer, training_args: GRPOConfig, runner) -> None:
@@ -381,6 +390,8 @@ def main(argv: list[str] | None = None) -> None:
         credit=credit_args if dialogue_args.turn_credit else None,
         change_bound=simulator_args.change_bound,
     )
+    if training_args.use_vllm:
+        preflight.check_vllm_length(generation.trainer_max_model_len(trainer), dialogue_args.max_dialogue_tokens)
     train_and_save(trainer, training_args, runner)
     if trainer.accelerator.is_main_process:
         print(f"read the dialogues: {common.script_command('report.py')} {shlex.quote(training_args.output_dir)}")

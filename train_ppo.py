@@ -586,6 +586,8 @@ def main(argv=None) -> None:
     openings = runner.openings(profiles)
     vllm_server = generation.VLLMServerGenerator(args.vllm_server_host, args.vllm_server_port,
                                                  args.temperature) if args.use_vllm else None
+    if vllm_server is not None:
+        preflight.check_vllm_length(vllm_server.max_model_len(), dialogue_args.max_dialogue_tokens)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     dialogues_per_step = args.profiles_per_step * args.dialogues_per_profile  # this rank's
@@ -677,6 +679,7 @@ def check_inputs(args: PPOArguments, dialogue_args, simulator_args) -> tuple[str
     if args.critic_model_name_or_path:
         common.check_model_source(args.critic_model_name_or_path, "critic_model_name_or_path")
     profiles = simulator.load_playable_profiles(dialogue_args.profiles, simulator_args, dialogue_args.think)
+    preflight.check_addresses_on_several_nodes(simulator_args)  # --use_vllm takes one process
     return policy_path, profiles
 
 

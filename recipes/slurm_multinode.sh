@@ -12,8 +12,9 @@
 # (train_ppo.py: accelerate_configs/zero2.yaml, train_grpo.py: zero3.yaml), or $ACCELERATE_CONFIG.
 # Environment: GPUS_PER_NODE (default: Slurm's count, else 8), MAIN_PROCESS_PORT (default 29500).
 #
-# Every node must reach the simulator: `localhost` in --base_url (or in the recipe's base_url, which then needs
-# a --base_url flag) names each node itself, and is refused here. The repository, the virtualenv, the model
+# Every node must reach the simulator, and in GRPO's vLLM server mode (--rollout async, the default) the server:
+# `localhost` in --base_url (or in the recipe's base_url, which then needs a --base_url flag) or in the vLLM
+# server's address (TRL's default host 0.0.0.0 too) names each node itself, and is refused here. The repository, the virtualenv, the model
 # (or the hub cache, $HF_HOME), the profiles file and --output_dir must be at the same path on every node, and
 # output_dir on a filesystem they all share: the scripts check it at start-up.
 # Written for a GPU cluster and rehearsed on CPU with stand-ins for srun, scontrol and accelerate
@@ -41,27 +42,47 @@ if [[ -z $ACCELERATE_CONFIG ]]; then
     exit 2
 fi
 
-# The simulator's endpoint, as the flags give it or else as the --config file does.
-base_url="" config=""
+# A setting as the flags give it (--name value or --name=value), else as the --config file does.
+config=""
 previous=""
 for argument in "$@"; do
-    case "$previous" in
-        --base_url) base_url=$argument ;;
-        --config) config=$argument ;;
-    esac
-    case "$argument" in
-        --base_url=*) base_url=${argument#--base_url=} ;;
-        --config=*) config=${argument#--config=} ;;
-    esac
+    [[ $previous == --config ]] && config=$argument
+    [[ $argument == --config=* ]] && config=${argument#--config=}
     previous=$argument
 done
-if [[ -z $base_url && -n $config && -f $config ]]; then
-    base_url=$(sed -n 's/^base_url:[[:space:]]*\([^[:space:]#]*\).*/\1/p' "$config")
-fi
-if [[ $base_url =~ ://(localhost|127\.[0-9.]+|0\.0\.0\.0|\[::1\])([:/]|$) ]]; then
+setting() {
+    local name=$1 value="" previous="" argument
+    shift
+    for argument in "$@"; do
+        [[ $previous == --$name ]] && value=$argument
+        [[ $argument == --$name=* ]] && value=${argument#--"$name"=}
+        previous=$argument
+    done
+    if [[ -z $value && -n $config && -f $config ]]; then
+        value=$(sed -n "s/^$name:[[:space:]]*\([^[:space:]#]*\).*/\1/p" "$config")
+    fi
+    echo "$value"
+}
+names_this_node() { [[ $1 =~ ^(https?://)?(localhost|127\.[0-9.]+|0\.0\.0\.0|\[::1\]|::1)([:/]|$) ]]; }
+
+base_url=$(setting base_url "$@")
+if names_this_node "$base_url"; then
     echo "error: the simulator's base_url $base_url names each node itself; pass --base_url with a host every" \
          "node reaches, e.g. http://$(hostname):8001/v1 for a server on this node" >&2
     exit 2
+fi
+# GRPO's vLLM server: with --rollout async (the default) every rank sends its turns there. TRL's default host is
+# 0.0.0.0, which names each node itself.
+if [[ $(setting vllm_mode "$@") == server && $(setting rollout "$@") != lockstep ]]; then
+    vllm_server=$(setting vllm_server_base_url "$@")
+    vllm_host=$(setting vllm_server_host "$@")
+    [[ -z $vllm_server ]] && vllm_server=${vllm_host:-0.0.0.0}
+    if names_this_node "$vllm_server"; then
+        echo "error: the vLLM server at $vllm_server names each node itself, and with --rollout async every rank" \
+             "sends its turns there; pass --vllm_server_host with a host every node reaches, e.g. $(hostname)" \
+             "for a server on this node (or --rollout lockstep: only the main process talks to it then)" >&2
+        exit 2
+    fi
 fi
 
 : "${SLURM_JOB_NODELIST:?not in a Slurm allocation: submit this script with sbatch}"

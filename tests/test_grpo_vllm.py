@@ -375,3 +375,21 @@ def test_grpo_with_lora_and_colocated_vllm_in_bf16_trains_on_an_unmoved_base(tin
     assert finished.returncode == 0, finished.stderr[-3000:]
     syncs = json.loads(finished.stdout.split("SYNCS ")[-1])
     assert len(syncs) == 3 and syncs == [0, 0, 0]
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_a_vllm_shorter_than_the_dialogue_budget_is_refused_before_the_first_rollout(tiny_model_dir, tmp_path, mode):
+    """A turn's request keeps context + budget within --max_dialogue_tokens, which vLLM serves only within its
+    max_model_len: shorter, the run would fail the first time a dialogue grows past it. The length is vLLM's own
+    (the colocated engine's, the server's /server_info), so also at 300 against 400 it is refused at start-up."""
+    log = tmp_path / "client.log"
+    with serving(tiny_model_dir, tmp_path / "server.log", max_model_len=300) as url:
+        length = ["--vllm_server_base_url", url] if mode == "server" else ["--vllm_max_model_length", "300"]
+        finished = subprocess.run(
+            [sys.executable, *map(str, grpo_command(tiny_model_dir, tmp_path / "run", "--max_steps", "1",
+                                                    "--vllm_mode", mode, "--max_dialogue_tokens", "400", *length))],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "FAKE_VLLM_LOG": str(log), "TRL_EXPERIMENTAL_SILENCE": "1"})
+    assert finished.returncode != 0
+    assert "vLLM's max_model_len is 300, below --max_dialogue_tokens 400" in finished.stderr, finished.stderr[-3000:]
+    assert not log.exists() or not generate_calls(log)  # no rollout began

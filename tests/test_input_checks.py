@@ -393,3 +393,47 @@ def test_only_a_failed_collective_of_several_processes_counts_as_a_lost_process(
         with pytest.raises(RuntimeError) as raised:
             failing()
         assert common.lost_process(raised.value) is False
+
+
+@pytest.mark.parametrize("world, local, refused", [(16, 8, True), (8, 8, False), (None, None, False)])
+def test_on_several_nodes_addresses_that_name_each_node_itself_are_refused(monkeypatch, world, local, refused):
+    import preflight
+
+    for name, value in (("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", local)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, str(value))
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    llm_user = lambda url: simulator.SimulatorArguments(backend="llm", base_url=url)  # noqa: E731
+    for local_address in ("http://localhost:8001/v1", "http://127.0.0.2:8001/v1", "http://0.0.0.0:8001",
+                          "http://[::1]:8001/v1"):
+        checks = [lambda: preflight.check_addresses_on_several_nodes(llm_user(local_address)),
+                  lambda: preflight.check_addresses_on_several_nodes(simulator.SimulatorArguments(), local_address)]
+        for check in checks:
+            if refused:
+                with pytest.raises(common.InputError, match="names each node itself|named as each node itself"):
+                    check()
+            else:
+                check()
+    preflight.check_addresses_on_several_nodes(llm_user("http://sim-host:8001/v1"), "http://vllm-host:8000")
+    preflight.check_addresses_on_several_nodes(simulator.SimulatorArguments(base_url="http://localhost:1/v1"))  # rule
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://localhost:8001/v1")  # --base_url's fallback
+    if refused:
+        with pytest.raises(common.InputError):
+            preflight.check_addresses_on_several_nodes(llm_user(None))
+
+
+def test_grpos_vllm_server_address_is_the_one_every_rank_calls_only_in_async_server_mode():
+    import train_grpo
+
+    def address(*flags):
+        dialogue_args, _, _, training_args, _ = train_grpo.parse_arguments(["--use_cpu", "true", *flags])
+        return train_grpo.vllm_server_address(training_args, dialogue_args)
+
+    assert address("--use_vllm", "--vllm_mode", "server", "--vllm_server_host", "h", "--vllm_server_port", "9") \
+        == "http://h:9"
+    assert address("--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", "http://b:7") == "http://b:7"
+    assert address("--use_vllm", "--vllm_mode", "server", "--rollout", "lockstep") is None
+    assert address("--use_vllm", "--vllm_mode", "colocate") is None
+    assert address("--vllm_mode", "server") is None

@@ -288,3 +288,43 @@ def test_ranks_on_two_nodes_with_the_same_process_id_trim_one_shared_file_withou
     assert rollout.keep_rows_before(path, 2) == 2
     assert [row["step"] for row in json_lines(path)] == [0, 0, 1, 1]
     assert [item.name for item in tmp_path.iterdir()] == [path.name]  # no temporary file left
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (["--vllm_mode", "server", "--vllm_server_host", "localhost"], True),
+    (["--vllm_mode", "server"], True),  # TRL's default host, 0.0.0.0
+    (["--vllm_mode=server", "--vllm_server_base_url", "http://127.0.0.1:8000"], True),
+    (["--vllm_mode", "server", "--vllm_server_host", "vllm-host"], False),
+    (["--vllm_mode", "server", "--vllm_server_host", "localhost", "--rollout", "lockstep"], False),
+    (["--vllm_mode", "colocate"], False),
+])
+def test_the_slurm_script_refuses_a_vllm_server_that_names_each_node_itself_where_every_rank_calls_it(tmp_path, flags,
+                                                                                                      refused):
+    """With --rollout async every rank sends its own turns to GRPO's vLLM server; with lockstep only the main
+    process talks to it."""
+    finished, launches = sbatch(tmp_path, "train_grpo.py", "--config", "recipes/grpo_qwen2.5-7b.yaml", "--base_url",
+                                "http://simulator-host:8001/v1", "--use_vllm", "true", *flags)
+    if refused:
+        assert finished.returncode == 2 and launches == {}
+        assert "names each node itself, and with --rollout async every rank sends its turns there" in finished.stderr
+    else:
+        assert finished.returncode == 0 and len(launches) == 2, finished.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, said", [
+    (["train_grpo.py", "--backend", "llm", "--base_url", "http://localhost:8001/v1", "--simulator_model", "m"],
+     "--base_url http://localhost:8001/v1 names each node itself"),
+    (["train_ppo.py", "--backend", "llm", "--base_url", "http://127.0.0.1:8001/v1", "--simulator_model", "m"],
+     "--base_url http://127.0.0.1:8001/v1 names each node itself"),
+    ([str(REPO / "tests" / "fake_vllm" / "run.py"), "train_grpo.py", "--use_vllm", "--vllm_mode", "server"],
+     "the vLLM server at http://0.0.0.0:8000 is named as each node itself"),
+])
+def test_a_rank_on_a_second_node_refuses_an_address_naming_itself_before_anything_loads(tmp_path, command, said):
+    """A process launched as one of 2 nodes' (WORLD_SIZE 2, LOCAL_WORLD_SIZE 1, as torchrun sets them) stops at
+    start-up with one line, whatever launcher started it, before any collective or model."""
+    finished = subprocess.run([sys.executable, *command, "--output_dir", str(tmp_path / "run")], cwd=REPO,
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"})
+    assert finished.returncode != 0 and said in finished.stderr, finished.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

@@ -655,3 +655,17 @@ def test_pushing_lora_weights_sends_the_merged_weights_and_leaves_the_bf16_base_
     for sent in (pushes[0], pushes[-1]):
         for name, weight in merged.items():
             assert sent[name].dtype == torch.bfloat16 and torch.equal(sent[name], weight), name
+
+
+def test_ppo_refuses_a_vllm_server_shorter_than_the_dialogue_budget_before_the_first_rollout(tiny_model_dir, tmp_path):
+    from conftest import serving
+
+    with serving(tiny_model_dir, tmp_path / "server.log", max_model_len=300) as url:
+        finished = subprocess.run(
+            [sys.executable, str(FAKE / "run.py"), "train_ppo.py", "--use_vllm", "--vllm_server_host", "127.0.0.1",
+             "--vllm_server_port", url.rsplit(":", 1)[1], "--model_name_or_path", str(tiny_model_dir),
+             "--output_dir", str(tmp_path / "run"), "--max_steps", "1", "--max_dialogue_tokens", "400", *SMALL_RUN],
+            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert finished.returncode != 0
+    assert "vLLM's max_model_len is 300, below --max_dialogue_tokens 400" in finished.stderr, finished.stderr[-3000:]
+    assert not (tmp_path / "run" / "transcripts.jsonl").exists()
