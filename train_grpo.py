@@ -239,6 +239,19 @@ class StopOnCtrlC(TrainerCallback):
             control.should_save = control.should_training_stop = self.stopped = True
 
 
+def merge_lora_out_of_place(vllm_generation) -> None:
+    """Make TRL's weight sync to vLLM merge a LoRA adapter out of place. TRL merges it into the base weights
+    in place and unmerges it after each sync, which in bf16 does not give the frozen base back exactly: it
+    would drift a little at every step (generation.vllm_parameters). Under DeepSpeed ZeRO-3 TRL merges
+    gathered copies that DeepSpeed then discards, and under FSDP it walks the shards its own way: left to TRL."""
+    if vllm_generation._dist.is_zero3 or vllm_generation._dist.is_fsdp:
+        return
+    model, vllm_name = vllm_generation.model, vllm_generation._fix_param_name_to_vllm
+    vllm_generation._iter_named_params = lambda: (
+        (vllm_name(name), generation.merged_weight(parameter, layer))
+        for name, parameter, layer in generation.vllm_parameters(model))
+
+
 class DialogueGRPOTrainer(GRPOTrainer):
     """TRL's GRPOTrainer plus, with --turn_credit, token-level advantages (the dialogue's outcome advantage, TRL's,
     plus turn_credit_coef x the turn term on each turn's sampled tokens; TRL's loss takes (rows, tokens) as they
@@ -251,19 +264,6 @@ class DialogueGRPOTrainer(GRPOTrainer):
         self.credit, self.change_bound = credit, change_bound
         if self.use_vllm and hasattr(self.model, "peft_config"):
             merge_lora_out_of_place(self.vllm_generation)
-
-
-def merge_lora_out_of_place(vllm_generation) -> None:
-    """Make TRL's weight sync to vLLM merge a LoRA adapter out of place. TRL merges it into the base weights
-    in place and unmerges it after each sync, which in bf16 does not give the frozen base back exactly: it
-    would drift a little at every step (generation.vllm_parameters). Under DeepSpeed ZeRO-3 TRL merges
-    gathered copies that DeepSpeed then discards, and under FSDP it walks the shards its own way: left to TRL."""
-    if vllm_generation._dist.is_zero3 or vllm_generation._dist.is_fsdp:
-        return
-    model, vllm_name = vllm_generation.model, vllm_generation._fix_param_name_to_vllm
-    vllm_generation._iter_named_params = lambda: (
-        (vllm_name(name), generation.merged_weight(parameter, layer))
-        for name, parameter, layer in generation.vllm_parameters(model))
 
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)
