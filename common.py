@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -139,6 +140,52 @@ def append_json_lines(path, rows) -> None:
     with Path(path).open("a", encoding="utf-8") as out:
         for row in rows:
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+_outputs = {}  # an output's absolute path: its state as this run last left it (_output_state)
+
+
+def _output_state(path) -> tuple | None:
+    """(device, inode, size for a file) of a path, or None where nothing is there."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return found.st_dev, found.st_ino, found.st_size if stat.S_ISREG(found.st_mode) else None
+
+
+def note_output(path, again: bool = False) -> None:
+    """Remember an output (a file or a folder) as this run leaves it: check_output_kept compares. `again`: only
+    if this run remembered it before (after rewriting it itself)."""
+    if not again or os.path.abspath(path) in _outputs:
+        _outputs[os.path.abspath(path)] = _output_state(path)
+
+
+def check_output_kept(path) -> None:
+    """Stop before writing into an output that is not as this run last left it (note_output): removed, replaced
+    (another run's moved into its place) or changed by another writer. Writing on would mix two runs' rows, or
+    replace files another run made; a summary would cover rows this run never wrote."""
+    key = os.path.abspath(path)
+    if key not in _outputs or _output_state(path) == _outputs[key]:
+        return
+    was, now = _outputs[key], _output_state(path)
+    if now is None:
+        happened = "was removed"
+    elif was is None:
+        happened = "was made by another process"
+    elif now[:2] != was[:2]:
+        happened = "was replaced (another run's moved into its place?)"
+    else:
+        happened = f"was changed by another writer ({was[2]} bytes as this run left it, {now[2]} now)"
+    raise InputError(f"{path} {happened} while this run wrote it: stopped without writing more, so that no two runs' "
+                     "files mix; put it back and run the same command to go on, or start again with another output")
+
+
+def append_rows_kept(path, rows) -> None:
+    """append_json_lines to an output of this run's, after check_output_kept."""
+    check_output_kept(path)
+    append_json_lines(path, rows)
+    note_output(path)
 
 
 def check_options(options, **rules) -> None:
@@ -640,8 +687,8 @@ def check_run_folder(folder, script: str, model: str, resuming: bool, resume_fla
     finds. Every rank calls it before any rank writes (the folder-sharing check's own marker is not a file of
     anyone's)."""
     folder = Path(folder)
-    found = sorted(path.name for path in folder.iterdir()
-                   if not path.name.startswith(".shared-check-")) if folder.is_dir() else []
+    found = sorted(path.name for path in folder.iterdir()  # not the sharing check's marker, nor a marker cut short
+                   if not path.name.startswith((".shared-check-", f".{RUN_MARKER}"))) if folder.is_dir() else []
     if not found:
         return
     marker = folder / RUN_MARKER
@@ -657,9 +704,8 @@ def check_run_folder(folder, script: str, model: str, resuming: bool, resume_fla
                          "--output_dir") from None
     if owner != script:
         raise InputError(f"--output_dir {folder}: holds a {owner} run; choose another folder for {script}")
-    if found == [RUN_MARKER]:  # a run of ours that stopped before writing anything (a bad input found late)
-        marker.unlink(missing_ok=True)  # every rank may: a rank finding it gone is fine
-        return
+    if found == [RUN_MARKER]:  # a run of ours that stopped before writing anything, or one loading its model:
+        return  # mark_run_folder takes it over, or refuses it while that run holds it
     if not resuming:
         raise InputError(f"--output_dir {folder}: already holds a run; choose another --output_dir, delete it, or "
                          f"pass {resume_flag} to continue it")
@@ -676,24 +722,30 @@ def check_run_folder(folder, script: str, model: str, resuming: bool, resume_fla
 
 def mark_run_folder(folder, script: str, model: str, settings: dict | None = None) -> None:
     """RUN_MARKER, on the main process, once every rank has passed check_run_folder: whose run, of which
-    model, with which run_settings; and the folder held (hold) while the run lasts."""
+    model, with which run_settings, and this launch's own id (a resume's launch takes the run over); the folder
+    held (hold) while the run lasts."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     hold(folder, "--output_dir")  # before the marker: a second run started at once must not write one
-    if not (folder / RUN_MARKER).is_file():
-        (folder / RUN_MARKER).write_text(json.dumps({"script": script, "model": model,
-                                                     "settings": settings or {}}) + "\n")
+    partial = folder / f".{RUN_MARKER}.partial"  # replaced whole: a kill while writing leaves the old one
+    partial.write_text(json.dumps({"script": script, "model": model, "settings": settings or {},
+                                   "launch": uuid.uuid4().hex}) + "\n")
+    partial.replace(folder / RUN_MARKER)
 
 
 def claim_run_folder(folder, script: str, model: str, resuming: bool, resume_flag: str, settings: dict,
                      state) -> None:
     """A trainer's output folder at start-up: free, or this run's own on a resume with the same settings
     (check_run_folder); one folder that every process sees, as checkpoints hold every rank's DeepSpeed shard
-    (check_shared_folder); then marked as this run's. `state`: the Accelerator or its PartialState."""
+    (check_shared_folder); then marked as this run's, and on every rank remembered as it is then
+    (check_run_folder_kept). `state`: the Accelerator or its PartialState."""
     check_run_folder(folder, script, model, resuming, resume_flag, settings)
     check_shared_folder(folder, state)
     if state.is_main_process:
         mark_run_folder(folder, script, model, settings)
+    state.wait_for_everyone()
+    note_output(folder)
+    note_output(Path(folder) / RUN_MARKER)
 
 
 def real_path(path) -> Path:
@@ -733,14 +785,14 @@ def hold(path, option: str, create: str | None = None) -> None:
         raise InputError(f"{option} {path}: another run is writing there now; let it finish, or give another "
                          "path") from None
     _held[str(real_path(path))] = handle
+    note_output(path)
 
 
 def check_run_folder_kept(folder) -> None:
-    """Stop a run whose output folder was removed or replaced while it trained, before it writes a step's rows:
-    writing on would make a new folder holding only the rows from here on, without the marker a resume needs."""
-    if not (Path(folder) / RUN_MARKER).is_file():
-        raise InputError(f"{folder} was removed or replaced while this run trained (its {RUN_MARKER} is gone): "
-                         "stopped without writing more; start a new run")
+    """Stop a run, before it writes rows, weights or a checkpoint, whose output folder or marker is not the one it
+    claimed (claim_run_folder): removed, replaced by another run's folder, or taken over by another launch."""
+    check_output_kept(folder)
+    check_output_kept(Path(folder) / RUN_MARKER)
 
 
 def starts_with(marker: bytes, size: int = 4096):

@@ -594,6 +594,7 @@ def finished_items(path: Path, items: list[dict], made_by: dict) -> set:
         raise DataError(f"{path} holds items this data does not have (e.g. {sorted(unknown)[0]}); "
                         "choose another --output_dir")
     common.check_made_by(path, rows, made_by)
+    common.note_output(path)  # as this run found it (or its absence): each batch's rows are added only to that
     return done
 
 
@@ -631,9 +632,10 @@ def run_task(task: str, items: list[dict], done: set, args: GeneralEvalArguments
                 rows.append(row)
             output_dir.parent.mkdir(parents=True, exist_ok=True)  # with the first rows: a run failing earlier
             common.hold(output_dir, "--output_dir", create="folder")  # leaves nothing; held from then on
-            common.append_json_lines(path, rows)  # a last line cut short by a killed run is dropped first
+            common.append_rows_kept(path, rows)  # a last line cut short by a killed run is dropped first
             bar.update(len(rows))
     bar.close()
+    common.check_output_kept(path)  # the figures cover this model's rows only
     wanted = {item["id"] for item in items}
     return [row for row in read_result_rows(path, skip_cut_last_line=True) if row["id"] in wanted]
 

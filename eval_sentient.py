@@ -265,7 +265,7 @@ def append_rows(path: Path, rows: list[dict]) -> None:
     that fails earlier leaves nothing behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     common.hold(path, "--output", create="file")
-    common.append_json_lines(path, rows)  # a last line cut short by a killed run is dropped first
+    common.append_rows_kept(path, rows)  # a last line cut short by a killed run is dropped first
 
 
 def benchmark_dialogues(args: EvalArguments) -> rollout.DialogueArguments:
@@ -387,6 +387,7 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
                 finished = finished_ids(output, made_by, profiles, args.profiles, args.limit)
                 common.exit_interrupted(f"{len(finished)} of {len(profiles)} scenarios are in "
                                         f"{output}; run the same command again to play the rest")
+    common.check_output_kept(output)  # the summary covers this model's rows only
     summary = summarize(read_results(output, skip_cut_last_line=True), args.bootstrap_samples)
     summary.update(results=str(output), made_by=made_by)
     summary_path.write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")

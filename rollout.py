@@ -708,6 +708,7 @@ def keep_rows_before(path, step: int, what: str = "transcripts file") -> int:
     partial = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.partial")
     partial.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in kept), encoding="utf-8")
     partial.replace(path)
+    common.note_output(path, again=True)  # this run's own rewrite
     return dropped
 
 
@@ -715,4 +716,4 @@ def write_transcripts(path, dialogues: list[Dialogue], step: int | None = None) 
     """Append each dialogue's benchmark result row (plus step and thoughts) to a JSON Lines file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    common.append_json_lines(path, [dialogue.transcript(step) for dialogue in dialogues])
+    common.append_rows_kept(path, [dialogue.transcript(step) for dialogue in dialogues])

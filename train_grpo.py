@@ -265,6 +265,10 @@ class DialogueGRPOTrainer(GRPOTrainer):
         if self.use_vllm and hasattr(self.model, "peft_config"):
             merge_lora_out_of_place(self.vllm_generation)
 
+    def _save_checkpoint(self, model, trial):
+        common.check_run_folder_kept(self.args.output_dir)  # not into another run's folder moved into its place
+        return super()._save_checkpoint(model, trial)
+
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)
         if self.credit is not None:
@@ -339,6 +343,7 @@ def train_and_save(trainer: DialogueGRPOTrainer, training_args: GRPOConfig, runn
             common.note_interruption(training_args.output_dir, trainer.state.global_step - 1, folder,
                                      common.resume_command("--resume_from_checkpoint", str(folder)))
         raise SystemExit(130)
+    common.check_run_folder_kept(training_args.output_dir)
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
     if training_args.push_to_hub:

@@ -498,6 +498,7 @@ def save_policy(folder: Path, model: PolicyAndCritic, tokenizer) -> None:
 def save_checkpoint(folder: Path, step: int, model, optimizer, tokenizer, accelerator) -> None:
     """Called on every rank: under DeepSpeed each rank holds a shard of the optimizer, which the engine
     saves (with every rank's RNG) into deepspeed/. Elsewhere the optimizer is whole on rank 0."""
+    common.check_run_folder_kept(folder.parent)
     partial = folder.with_name(folder.name + ".partial")
     if accelerator.is_main_process and partial.exists():
         shutil.rmtree(partial)  # a save of this run killed midway
@@ -656,6 +657,7 @@ def main(argv=None) -> None:
                 stop_interrupted(output_dir, step + 1, saved, model, optimizer, tokenizer, accelerator)
 
     if accelerator.is_main_process:
+        common.check_run_folder_kept(output_dir)
         save_policy(output_dir, networks, tokenizer)
         torch.save(networks.critic.state_dict(), output_dir / "critic.pt")
     accelerator.end_training()
@@ -847,7 +849,7 @@ def log_step(metrics: dict, dialogues, step: int, transcripts: Path, metrics_fil
     common.check_run_folder_kept(transcripts.parent)
     rollout.write_transcripts(transcripts, dialogues, step=step)
     if accelerator.is_main_process:
-        common.append_json_lines(metrics_file, [metrics])
+        common.append_rows_kept(metrics_file, [metrics])
         accelerator.print({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
                            if not k.startswith("emotion/after")})
     if args.report_to != "none":

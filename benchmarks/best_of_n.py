@@ -108,6 +108,8 @@ def main() -> None:
         raise SystemExit("--n, --copies and --turns take whole numbers of at least 1")
     if args.output and Path(args.output).exists():
         raise SystemExit(f"--output {args.output} exists: choose a new file (results are never overwritten)")
+    if args.output:
+        common.note_output(args.output)  # absent: a file another run makes meanwhile is not written into
     train = args.protocol == "train"
     profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES if train else simulator.DEFAULT_BENCHMARK_PROFILES)
     profiles = [profile for profile in profiles for _ in range(args.copies)]
@@ -134,7 +136,7 @@ def main() -> None:
                   f"0 {shares['share_zero']:.0%}, -5 or less {shares['share_minus5']:.0%}; the rule user's reasons: "
                   + ", ".join(f"{reason} {count}" for reason, count in shares["reasons"].items()))
         if args.output:
-            common.append_json_lines(args.output, [result])
+            common.append_rows_kept(args.output, [result])
 
 
 if __name__ == "__main__":

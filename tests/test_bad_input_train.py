@@ -384,10 +384,14 @@ def test_a_resume_with_settings_other_than_the_runs_is_refused_naming_them(tmp_p
 
 
 def test_a_folder_holding_only_its_own_runs_marker_is_a_fresh_folder(tmp_path):
-    """A run refused after marking its folder (a bad input found late) wrote nothing else: its rerun may start."""
+    """A run refused after marking its folder (a bad input found late) wrote nothing else: its rerun may start,
+    and takes the marker over only once it holds the folder (while the first run loads its model, it holds it:
+    test_run_identity.py); the check itself deletes nothing."""
     common.mark_run_folder(tmp_path / "run", "train_ppo.py", "m")
     common.check_run_folder(tmp_path / "run", "train_ppo.py", "another", False, "--resume")
-    assert not list((tmp_path / "run").iterdir())
+    assert [path.name for path in (tmp_path / "run").iterdir()] == [common.RUN_MARKER]
+    common.mark_run_folder(tmp_path / "run", "train_ppo.py", "another")
+    assert json.loads((tmp_path / "run" / common.RUN_MARKER).read_text())["model"] == "another"
     common.mark_run_folder(tmp_path / "grpo", "train_grpo.py", "m")
     with pytest.raises(common.InputError, match="holds a train_grpo.py run"):
         common.check_run_folder(tmp_path / "grpo", "train_ppo.py", "m", False, "--resume")
