@@ -608,10 +608,12 @@ def check_made_by(path, rows: list[dict], made_by: dict) -> None:
                              "same model and settings, or choose another output")
 
 
-def checkpoint_problem(folder, required: tuple[str, ...]) -> str | None:
+def checkpoint_problem(folder, required: tuple[str, ...], step_of=None) -> str | None:
     """Why a checkpoint folder cannot be resumed from (None if it can): a `required` member missing, an
     empty file, a torch file (.pt, .bin, .pth: zip archives) cut short, a safetensors file or JSON file
-    that does not parse. A kill while saving, a full disk or a copy cut short leaves such a folder."""
+    that does not parse (a kill while saving, a full disk or a copy cut short leaves such a folder); or, with
+    `step_of(folder)` (the step its state holds), a step other than its name's `checkpoint-N` (a folder renamed,
+    or its state edited: a resume would skip or replay steps)."""
     import zipfile
 
     from safetensors import safe_open
@@ -634,19 +636,37 @@ def checkpoint_problem(folder, required: tuple[str, ...]) -> str | None:
                 json.loads(path.read_text(encoding="utf-8"))
         except Exception as error:  # any parse error: the file is not whole
             return f"{name} does not read ({type(error).__name__})"
+    named = folder.name.removeprefix("checkpoint-")
+    if step_of is not None and named.isdigit():
+        try:
+            held = step_of(folder)
+        except Exception as error:  # a state that does not say its step
+            return f"its state does not say its step ({type(error).__name__})"
+        if held != int(named):
+            return f"holds step {held}, not {named} (renamed, or its state edited?)"
     return None
 
 
-def newest_whole_checkpoint(output_dir, required: tuple[str, ...], say=print) -> Path | None:
+def checkpoint_folders(output_dir) -> list[Path]:
+    """The checkpoint-N folders of `output_dir`, newest first."""
+    return sorted((path for path in Path(output_dir).glob("checkpoint-*") if path.name.split("-")[1].isdigit()),
+                  key=lambda path: int(path.name.split("-")[1]), reverse=True)
+
+
+def newest_whole_checkpoint(output_dir, required: tuple[str, ...], say=print, step_of=None) -> Path | None:
     """The newest checkpoint-N folder of `output_dir` that checkpoint_problem finds whole, `say`ing why each
-    newer one was passed over; None if there is none."""
-    folders = sorted((path for path in Path(output_dir).glob("checkpoint-*") if path.name.split("-")[1].isdigit()),
-                     key=lambda path: int(path.name.split("-")[1]), reverse=True)
-    for folder in folders:
-        problem = checkpoint_problem(folder, required)
+    newer one was passed over; None if there is none. Refused when there are checkpoints and none is whole:
+    starting over would drop every step the run trained."""
+    problems = []
+    for folder in checkpoint_folders(output_dir):
+        problem = checkpoint_problem(folder, required, step_of)
         if problem is None:
             return folder
         say(f"{folder}: {problem}; passed over for an earlier checkpoint")
+        problems.append(f"{folder.name}: {problem}")
+    if problems:
+        raise InputError(f"no checkpoint of {output_dir} can be resumed from ({'; '.join(problems)}); mend one, or "
+                         "move them aside to start the run over at step 0 (its later rows are then dropped)")
     return None
 
 

@@ -158,42 +158,61 @@ def check_profile_count(profile_count: int, path: str, training_args: GRPOConfig
 
 
 
-def resume_checkpoint(training_args: GRPOConfig) -> Path:
-    """The checkpoint --resume_from_checkpoint names, checked whole; `true` (or `latest`): the newest whole
-    one in output_dir, passing over broken ones with a note."""
-    given = training_args.resume_from_checkpoint
+def trainer_state_step(checkpoint) -> int:
+    """The step a GRPO checkpoint holds, as the Trainer reads it."""
+    return json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"]
+
+
+def resume_checkpoint(training_args: GRPOConfig) -> Path | None:
+    """The checkpoint --resume_from_checkpoint names, checked whole and holding the step its name says; `true`
+    (or `latest`): the newest such one in output_dir, passing over broken ones with a note, or None where the
+    run stopped before its first checkpoint."""
+    given, output_dir = training_args.resume_from_checkpoint, training_args.output_dir
     if given.lower() in ("true", "latest"):
-        folder = common.newest_whole_checkpoint(training_args.output_dir, ("trainer_state.json",),
-                                                lambda note: print(note, file=sys.stderr))
-        if folder is None:
-            raise common.InputError(f"--resume_from_checkpoint {given}: no whole checkpoint in "
-                                    f"{training_args.output_dir} (one is saved every --save_steps)")
-        return folder
-    if common.real_path(given).parent != common.real_path(training_args.output_dir):
+        return common.newest_whole_checkpoint(output_dir, ("trainer_state.json",),
+                                              lambda note: print(note, file=sys.stderr), trainer_state_step)
+    if common.real_path(given).parent != common.real_path(output_dir):
         # Its run's settings and rows are in that folder: a resume here would check against, and add to, neither.
         raise common.InputError(f"--resume_from_checkpoint {given}: not a checkpoint of --output_dir "
-                                f"{training_args.output_dir}; continue its run with --output_dir "
+                                f"{output_dir}; continue its run with --output_dir "
                                 f"{Path(given).parent}, or start a new run from a saved model with "
                                 "--model_name_or_path")
-    problem = common.checkpoint_problem(given, ("trainer_state.json",))
+    problem = common.checkpoint_problem(given, ("trainer_state.json",), trainer_state_step)
     if problem:
-        newest = common.newest_whole_checkpoint(training_args.output_dir, ("trainer_state.json",), lambda note: None)
+        try:
+            newest = common.newest_whole_checkpoint(output_dir, ("trainer_state.json",), lambda note: None,
+                                                    trainer_state_step)
+        except common.InputError:
+            newest = None
         instead = f"; the newest whole one is {newest}" if newest else ""
         raise common.InputError(f"--resume_from_checkpoint {given}: {problem}; give a checkpoint folder such as "
-                                f"{training_args.output_dir}/checkpoint-10{instead}, or true for the newest")
+                                f"{output_dir}/checkpoint-10{instead}, or true for the newest")
     return Path(given)
 
 
 def prepare_resume(training_args: GRPOConfig, transcripts: Path) -> None:
-    """--resume_from_checkpoint: the checkpoint resolved and checked whole, and the transcript rows of its later
-    steps dropped (those steps are played again)."""
-    training_args.resume_from_checkpoint = str(resume_checkpoint(training_args))
-    state = Path(training_args.resume_from_checkpoint) / "trainer_state.json"
-    trained = json.loads(state.read_text())["global_step"]
-    common.check_steps_left("--resume_from_checkpoint", training_args.resume_from_checkpoint, trained,
-                            training_args.max_steps)
-    for path in [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]:
-        rollout.keep_rows_before(path, trained)
+    """--resume_from_checkpoint: the checkpoint resolved and checked, and the transcript rows of its later steps
+    dropped (those steps are played again). A run stopped before its first checkpoint starts over at step 0, as
+    a resume starts over after its checkpoint; one that finished without checkpoints is refused (starting over
+    would overwrite the model it saved)."""
+    checkpoint = resume_checkpoint(training_args)
+    output_dir = Path(training_args.output_dir)
+    if checkpoint is None:
+        if (output_dir / "trainer_state.json").is_file():
+            raise common.InputError(f"--resume_from_checkpoint: {output_dir} holds a finished run without "
+                                    "checkpoints, so there is nothing to continue; choose another --output_dir")
+        training_args.resume_from_checkpoint = None
+        trained = 0
+    else:
+        training_args.resume_from_checkpoint = str(checkpoint)
+        trained = trainer_state_step(checkpoint)
+        common.check_steps_left("--resume_from_checkpoint", checkpoint, trained, training_args.max_steps)
+    dropped = sum(rollout.keep_rows_before(path, trained)
+                  for path in [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")])
+    if checkpoint is None:
+        print(f"--resume_from_checkpoint: no checkpoint in {output_dir} yet (the run stopped before its first save, "
+              f"every --save_steps {training_args.save_steps}): starting again at step 0; dropped the {dropped} "
+              "transcript rows it wrote, as those steps are played again", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,8 +25,8 @@ from typing import Literal
 import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
 
 if __name__ == "__main__":
-    common.start_script("the checkpoints in --output_dir are whole (continue from the newest with "
-                          "--resume_from_checkpoint true)")
+    common.start_script("every checkpoint in --output_dir is whole: continue with --resume_from_checkpoint true "
+                          "(from the newest, or from step 0 before the first)")
 
 import torch
 from accelerate.utils import broadcast_object_list, gather_object

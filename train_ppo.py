@@ -33,7 +33,8 @@ from typing import Literal
 import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
 
 if __name__ == "__main__":
-    common.start_script("the checkpoints in --output_dir are whole (continue from the newest with --resume)")
+    common.start_script("every checkpoint in --output_dir is whole: continue with --resume (from the newest, or "
+                          "from step 0 before the first)")
 
 import numpy as np
 import torch
@@ -522,6 +523,11 @@ def save_checkpoint(folder: Path, step: int, model, optimizer, tokenizer, accele
         partial.rename(folder)  # a checkpoint folder appears only once complete
 
 
+def checkpoint_step(folder: Path) -> int:
+    """The step a checkpoint's state holds (read without loading the optimizer's tensors)."""
+    return torch.load(folder / "state.pt", weights_only=False, mmap=True)["step"]
+
+
 def load_checkpoint(folder: Path, model, optimizer, accelerator) -> int:
     """Restore a checkpoint into the prepared model and optimizer; returns its step."""
     from peft import set_peft_model_state_dict
@@ -699,7 +705,7 @@ def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_s
     the rows written since were of steps that are played again, so they go, with a note. (Refusing instead
     would leave the user to delete the same rows by hand.) A finished run without checkpoints is refused:
     starting it over would overwrite the policy it saved, and so is a resume with no steps left to train."""
-    checkpoint = common.newest_whole_checkpoint(output_dir, CHECKPOINT_MEMBERS, accelerator.print)
+    checkpoint = common.newest_whole_checkpoint(output_dir, CHECKPOINT_MEMBERS, accelerator.print, checkpoint_step)
     if checkpoint is None and transcripts.exists() and (output_dir / "critic.pt").is_file():
         raise common.InputError(f"--resume: {output_dir} holds a finished run without checkpoints (none every "
                                 f"--save_steps {save_steps}), so there is nothing to continue; choose another "

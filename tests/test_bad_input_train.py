@@ -454,3 +454,64 @@ def test_a_model_folder_transformers_cannot_load_is_refused_before_it_loads(tmp_
             (folder / name).write_text(text)
     with pytest.raises(common.InputError, match=re.escape(message)):
         trainer_main(script)(["--model_name_or_path", str(folder), "--output_dir", str(tmp_path / "run")])
+
+
+# --------------------------------------------------------------------------------------------
+# A resume takes its step from the checkpoint's contents, never from its name alone
+# --------------------------------------------------------------------------------------------
+
+def grpo_resume_args(run, given="true"):
+    return types.SimpleNamespace(resume_from_checkpoint=given, output_dir=str(run), max_steps=30, save_steps=10)
+
+
+def test_a_grpo_checkpoint_whose_state_says_another_step_than_its_name_is_passed_over(tmp_path, capsys):
+    """A trainer_state.json edited to an earlier step (or a folder renamed) would replay steps from later weights."""
+    run = tmp_path / "run"
+    for step in (10, 20):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (run / "checkpoint-20" / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
+    args = grpo_resume_args(run)
+    preflight.prepare_resume(args, run / "transcripts.jsonl")
+    assert args.resume_from_checkpoint == str(run / "checkpoint-10")
+    assert "checkpoint-20: holds step 10, not 20 (renamed, or its state edited?); passed over" in capsys.readouterr().err
+    with pytest.raises(common.InputError, match="checkpoint-20: holds step 10, not 20"):
+        preflight.prepare_resume(grpo_resume_args(run, str(run / "checkpoint-20")), run / "transcripts.jsonl")
+
+
+def test_a_ppo_checkpoint_renamed_is_not_resumed_at_its_new_name(tmp_path):
+    """checkpoint-3 renamed checkpoint-9 would resume "at step 9" and skip six steps; the only checkpoint being
+    that one, the resume is refused and the rows of steps 0-4 stay."""
+    import torch
+
+    run = tmp_path / "run"
+    folder = run / "checkpoint-9"
+    (folder / "policy").mkdir(parents=True)
+    (folder / "policy" / "config.json").write_text("{}")
+    torch.save({"step": 3}, folder / "state.pt")
+    torch.save({}, folder / "critic.pt")
+    transcripts = run / "transcripts.jsonl"
+    common.append_json_lines(transcripts, [{"step": step} for step in range(5)])
+    accelerator = types.SimpleNamespace(print=print, is_main_process=True)
+    with pytest.raises(common.InputError, match="checkpoint-9: holds step 3, not 9 .* move them aside to start"):
+        train_ppo.resume_point(run, transcripts, run / "metrics.jsonl", 3, 30, accelerator)
+    assert [json.loads(line)["step"] for line in transcripts.read_text().splitlines()] == [0, 1, 2, 3, 4]
+    folder.rename(run / "checkpoint-3")
+    assert train_ppo.resume_point(run, transcripts, run / "metrics.jsonl", 3, 30, accelerator) == (run / "checkpoint-3",
+                                                                                                    3)
+
+
+def test_a_grpo_run_stopped_before_its_first_checkpoint_resumes_at_step_0_and_a_finished_one_is_refused(tmp_path,
+                                                                                                      capsys):
+    """--resume_from_checkpoint true with no checkpoint yet is no dead end: the run starts over at step 0, its
+    rows dropped (they are played again). A run that finished without checkpoints is refused (its model saved)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    common.append_json_lines(run / "transcripts.jsonl", [{"step": step} for step in range(3)])
+    args = grpo_resume_args(run)
+    preflight.prepare_resume(args, run / "transcripts.jsonl")
+    assert args.resume_from_checkpoint is None and (run / "transcripts.jsonl").read_text() == ""
+    assert "starting again at step 0; dropped the 3 transcript rows" in capsys.readouterr().err
+    (run / "trainer_state.json").write_text(json.dumps({"global_step": 30}))
+    with pytest.raises(common.InputError, match="holds a finished run without checkpoints"):
+        preflight.prepare_resume(grpo_resume_args(run), run / "transcripts.jsonl")

@@ -637,8 +637,8 @@ def test_under_torchs_elastic_launcher_the_ctrl_c_notice_gives_its_deadline(run_
 
 @pytest.mark.parametrize("sent, status, said", [
     (["SIGINT", "SIGINT"], 130, ["Ctrl-C: stopping once this step is done", "Ctrl-C again: quitting now, without saving"]),
-    (["SIGTERM"], 143, ["stopped by SIGTERM: nothing new saved; the checkpoints in --output_dir are whole (continue "
-                        "from the newest with --resume)\n"]),
+    (["SIGTERM"], 143, ["stopped by SIGTERM: nothing new saved; every checkpoint in --output_dir is whole: continue "
+                        "with --resume (from the newest, or from step 0 before the first)\n"]),
 ])
 def test_a_second_ctrl_c_or_a_sigterm_quits_at_once_without_saving(sent, status, said, tiny_model_dir, tmp_path):
     """The signals arrive while step 0 waits on a simulator that does not answer: no step ends, nothing saved.
@@ -738,6 +738,6 @@ def test_a_rank_that_dies_ends_the_other_in_one_line_instead_of_a_hang(tiny_mode
                                  "--dialogues_per_profile", "2", "--minibatch_size", "2")
     rank_0 = [line for line in said.splitlines() if "[rank0]" in line]  # torch's prefix on a worker's output
     assert status != 0 and "Traceback" not in "\n".join(rank_0), said[-3000:]
-    assert ("stopped by SIGTERM: nothing new saved; the checkpoints in --output_dir are whole (continue from the "
-            "newest with --resume)" in said or "error: a collective with the run's other processes failed" in said)
+    assert ("stopped by SIGTERM: nothing new saved; every checkpoint in --output_dir is whole: continue with "
+            "--resume" in said or "error: a collective with the run's other processes failed" in said)
     assert not list(run.glob("checkpoint-*"))
