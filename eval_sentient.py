@@ -46,7 +46,7 @@ if __name__ == "__main__":
     common.start_script("the finished scenarios' rows are in --output (run the same command again to play the rest)")
 
 import numpy as np
-from transformers import HfArgumentParser
+from trl import TrlParser
 
 import generation
 import rollout
@@ -64,6 +64,10 @@ class EvalArguments:
     model_base_url: str | None = field(default=None, metadata={
         "help": "OpenAI-compatible endpoint of the tested model"})
     model_api_key_env: str = field(default="OPENAI_API_KEY", metadata={"help": "variable holding its API key"})
+    model_timeout: float = field(default=120.0, metadata={
+        "help": "seconds one call to --model_base_url may take before it is retried"})
+    model_max_retries: int = field(default=3, metadata={
+        "help": "retries of a failed call to --model_base_url: connection errors, timeouts, 429, 5xx"})
     use_vllm: bool = field(default=False, metadata={"help": "generate with an in-process vLLM engine (GPU)"})
     think: bool = field(default=False, metadata={"help": "think-then-say: <think>...</think>, hidden from the user"})
     profiles: str = field(default=str(simulator.DEFAULT_BENCHMARK_PROFILES), metadata={
@@ -94,7 +98,8 @@ class EvalArguments:
             max_reply_tokens=common.AT_LEAST_ONE, max_think_tokens=common.AT_LEAST_ONE,
             max_dialogue_tokens=common.AT_LEAST_ONE, temperature=common.NOT_NEGATIVE,
             top_p=(lambda value: 0 < value <= 1, "above 0 and at most 1"), seed=common.SEED,
-            batch_size=common.AT_LEAST_ONE, bootstrap_samples=common.BOOTSTRAP_SAMPLES, model_base_url=common.URL)
+            batch_size=common.AT_LEAST_ONE, bootstrap_samples=common.BOOTSTRAP_SAMPLES, model_base_url=common.URL,
+            model_timeout=common.CALL_TIMEOUT, model_max_retries=common.RETRIES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,6 +268,8 @@ def finished_ids(path: Path, made_by: dict, profiles: list, profiles_file: str, 
 def append_rows(path: Path, rows: list[dict]) -> None:
     """Append result rows. The first make the file (and its folder), held from then on (common.hold): a run
     that fails earlier leaves nothing behind."""
+    if not rows:  # a batch whose every user failed: no file made for nothing
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     common.hold(path, "--output", create="file")
     common.append_rows_kept(path, rows)  # a last line cut short by a killed run is dropped first
@@ -319,7 +326,8 @@ async def play_endpoint(args, simulator_args, chat, profiles, done: set, output:
     model sees the system prompt and the dialogue's messages, never its own earlier thinking."""
     made_by = run_record(args, simulator_args)
     client = common.ChatClient(args.model_base_url, args.model, args.model_api_key_env,
-                               temperature=args.temperature,
+                               temperature=args.temperature, timeout=args.model_timeout,
+                               max_retries=args.model_max_retries,
                                max_tokens=args.max_reply_tokens + (args.max_think_tokens if args.think else 0),
                                role="tested-model")
     await client.check()
@@ -376,7 +384,7 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
         with rollout.DialogueProgress(len(profiles), len(done), "scenarios") as bar:
             def progress(rows):
                 points.extend(row["emo_point"] for row in rows)
-                bar.advance(len(rows), sum(points) / len(points))
+                bar.advance(len(rows), sum(points) / len(points) if points else float("nan"))
 
             try:
                 if args.model_base_url:
@@ -395,11 +403,8 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
 
 
 def main(argv=None) -> None:
-    parser = HfArgumentParser((EvalArguments, simulator.SimulatorArguments), description=__doc__.split("\n")[0])
-    try:
-        args, simulator_args = parser.parse_args_into_dataclasses(argv)
-    except common.ArgumentError as error:
-        parser.error(str(error))
+    parser = TrlParser((EvalArguments, simulator.SimulatorArguments), description=__doc__.split("\n")[0])
+    args, simulator_args = common.parse_arguments(parser, sys.argv[1:] if argv is None else list(argv))
     try:
         if args.rescore:
             summaries = {path: summarize(read_results(path), args.bootstrap_samples) for path in args.rescore}

@@ -64,11 +64,13 @@ def step_means(run_dir: Path, metric: str = "emotion") -> dict[int, float]:
         raise common.InputError(f"{run_dir}: trained without --think, so it has no think format to break; "
                                 "--metric format plots think runs")
     for path in files:
+        last_step = {}
         for _, where, row in common.json_lines(path, "transcript", skip_cut_last_line=True):
             if not (isinstance(row, dict) and all(_is_number(row.get(key)) for key in ("step", *fields))):
                 *first, last = [repr(key) for key in ("step", *fields)]
                 raise common.InputError(f"{where}: a transcript row needs numbers {', '.join(first)} and {last}; "
                                         "is it a train_grpo.py/train_ppo.py transcript?")
+            common.check_steps_in_order(where, row["step"], last_step)
             rows_by_step[row["step"]].append(row)
     if not rows_by_step:
         raise common.InputError(f"{', '.join(map(str, files))}: no transcript rows (empty?); nothing to plot")
@@ -174,6 +176,10 @@ def main(argv=None) -> None:
         if (Path(label) / "transcripts.jsonl").is_file() or list(Path(label).glob("transcripts.rank*.jsonl")):
             parser.error(f"--arm {label} ...: that is a run folder where the label goes; give a label first: "
                          "--arm LABEL RUN [RUN ...]")
+    labels = [arm[0] for arm in args.arm]
+    if len(set(labels)) < len(labels):  # a dict by label would keep the last arm of a label, silently
+        parser.error(f"--arm {next(label for label in labels if labels.count(label) > 1)!r} is given twice; give each "
+                     "arm its own label")
     arms = {arm[0]: [Path(run) for run in arm[1:]] for arm in args.arm}
     runs = list(args.runs) + [run for arm_runs in arms.values() for run in arm_runs]
     if not runs:

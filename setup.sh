@@ -8,7 +8,11 @@
 # the virtualenv active in your shell. Sourced, so it never exits your shell: it stops at the first step
 # that fails, with that step's status. Running it with `bash setup.sh` installs the same, then says how to
 # activate the virtualenv.
-_rlver_root="$(cd "$(dirname "${BASH_SOURCE[0]:-$0}")" && pwd)"
+# This file's own path: bash's BASH_SOURCE where there is one (read through eval: plain sh, which has no arrays,
+# would stop at the syntax), else $0, which sh run as `sh setup.sh` sets to it.
+_rlver_self=$0
+[ -n "${BASH_VERSION:-}" ] && eval '_rlver_self=${BASH_SOURCE[0]:-$0}'
+_rlver_root="$(cd "$(dirname "$_rlver_self")" && pwd)"
 case "${1:-cpu}" in
     cpu) _rlver_venv=.venv; _rlver_requirements=requirements.txt ;;
     gpu) _rlver_venv=.venv-gpu; _rlver_requirements=requirements-gpu.txt ;;
@@ -25,12 +29,12 @@ else
     _rlver_status=$?
     if [ "$_rlver_status" -eq 0 ]; then
         echo "set up: $_rlver_root/$_rlver_venv"
-        if [ "${BASH_SOURCE[0]:-}" = "$0" ]; then  # run, not sourced: the activation ended with this shell
+        if [ "$_rlver_self" = "$0" ]; then  # run, not sourced: the activation ended with this shell
             echo "activate it with: . $_rlver_root/$_rlver_venv/bin/activate"
         fi
     else
         echo "setup.sh: a step failed (status $_rlver_status); nothing else was installed" >&2
     fi
 fi
-unset _rlver_root _rlver_venv _rlver_requirements
+unset _rlver_self _rlver_root _rlver_venv _rlver_requirements
 return "$_rlver_status" 2>/dev/null || exit "$_rlver_status"

@@ -616,8 +616,8 @@ class SimulatorArguments:
                 "then the dialogue fails; our prompts always do)", "choices": [None, "keep", "ask_again"]})
 
     def __post_init__(self):
-        common.check_options(self, simulator_timeout=common.POSITIVE, simulator_max_retries=common.NOT_NEGATIVE,
-                             simulator_parse_attempts=common.AT_LEAST_ONE,
+        common.check_options(self, simulator_timeout=common.CALL_TIMEOUT, simulator_max_retries=common.RETRIES,
+                             simulator_parse_attempts=common.ATTEMPTS,
                              simulator_temperature=(lambda value: value is None or value >= 0, "0 or more"),
                              simulator_max_tokens=(lambda value: value is None or value >= 1, "at least 1"),
                              change_bound=(lambda value: 1 <= value <= MAX_EMOTION, f"within 1-{MAX_EMOTION}"),

@@ -104,8 +104,10 @@ def main() -> None:
     args.turns = (simulator.BENCHMARK_MAX_TURNS if benchmark else 2) if args.turns is None else args.turns
     args.start_emotion = simulator.BENCHMARK_START_EMOTION if benchmark else simulator.TRAIN_START_EMOTION
     args.policy_prompt = "sentient" if benchmark else "policy"
-    if min(args.n + [args.copies, args.turns]) < 1:
-        raise SystemExit("--n, --copies and --turns take whole numbers of at least 1")
+    if min(args.n + [args.copies, args.turns, args.max_reply_tokens]) < 1:
+        raise SystemExit("--n, --copies, --turns and --max_reply_tokens take whole numbers of at least 1")
+    if not 0 < args.temperature < float("inf"):  # it samples: 0 would be greedy, the same reply n times
+        raise SystemExit(f"--temperature {args.temperature}: must be above 0 (best of n compares samples)")
     if args.output and Path(args.output).exists():
         raise SystemExit(f"--output {args.output} exists: choose a new file (results are never overwritten)")
     if args.output:

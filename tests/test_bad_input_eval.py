@@ -431,3 +431,73 @@ def test_two_outputs_sharing_one_summary_file_are_refused_keeping_the_first_summ
 def test_keeping_an_empty_user_message_is_for_the_released_prompts_only(capsys):
     status, error = outcome(eval_sentient.main, ["--empty_user_message", "keep"], capsys)
     assert status == 2 and "--empty_user_message keep: our prompts ask again for an empty message" in error
+
+
+# --------------------------------------------------------------------------------------------
+# Waits: bounded by the user's settings, and said within seconds
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag, value", [("--model_timeout", "1e300"), ("--model_timeout", "0"),
+                                         ("--model_max_retries", "1000000"), ("--simulator_timeout", "1e300"),
+                                         ("--simulator_parse_attempts", "1000000"), ("--simulator_max_retries", "50")])
+def test_waits_past_any_use_are_refused_at_start_up(flag, value, tmp_path, capsys, no_sentient_model):
+    code, said = outcome(eval_sentient.main, [flag, value, "--output", tmp_path / "r.jsonl"], capsys)
+    assert code == 2 and f"error: {flag} " in said and ("at most 3600 seconds" in said or "to 20" in said), said
+
+
+def test_a_tested_model_endpoint_that_never_answers_fails_within_its_bound_and_says_it_waits(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """--model_timeout and --model_max_retries bound the wait (before: 120 s of silence a try, up to 8 minutes);
+    a call unanswered for a few seconds is said while it waits."""
+    import time
+
+    monkeypatch.setattr(common, "WAIT_NOTICE_AFTER", 0.3)
+    profiles = benchmark_profiles(tmp_path / "bench.jsonl", count=1)
+    with FakeOpenAIServer(models=["tested"], default={"hang": 30}) as model:
+        started = time.monotonic()
+        code, said = outcome(eval_sentient.main, ["--model", "tested", "--model_base_url", model.base_url,
+                                                  "--profiles", profiles, "--output", tmp_path / "r.jsonl",
+                                                  "--model_timeout", "1", "--model_max_retries", "1"], capsys)
+        took = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 1 and "tested-model endpoint" in said and took < 10, (said, took)
+    assert "waiting for the tested-model endpoint" in err and "given up after 1 s, and retried 1 times" in err
+
+
+@pytest.mark.parametrize("main, flag, said", [
+    (eval_sentient.main, "--modle", "did you mean --model for --modle?"),
+    (eval_general.main, "--limt", "did you mean --limit for --limt?"),
+    (eval_sentient.main, "--no_such_flag", "not used by the HfArgumentParser: ['--no_such_flag', '1']"),
+])
+def test_an_evaluations_unknown_flag_is_usage_and_one_line_not_a_traceback(main, flag, said, capsys):
+    code, err = outcome(main, [flag, "1"], capsys)
+    assert code == 2 and said in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("rows, said", [
+    ([{"problem": "1+1", "answer": "2", "subject": "a", "level": 1, "unique_id": "x"}] * 2,
+     "math500: two items share the id 'x'"),
+])
+def test_math500_items_sharing_an_id_are_refused_when_read(rows, said, tmp_path, capsys):
+    """The resumed run took the second of two rows sharing an id as done once the first was."""
+    data = write_jsonl(tmp_path / "math.jsonl", rows)
+    code, err = outcome(eval_general.main, ["--tasks", "math500", "--math500_path", data, "--output_dir",
+                                            tmp_path / "out"], capsys)
+    assert code == 1 and said in err
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"kwargs": [{}]}, "'kwargs' must be a list of objects, one for each of 'instruction_id_list'"),
+    ({"instruction_id_list": "punctuation:no_comma"}, "'instruction_id_list' must be a list of instruction names"),
+    ({"kwargs": ["x", "y"]}, "'kwargs' must be a list of objects"),
+    ({"prompt": 3}, "'prompt' must be text"),
+])
+def test_ifeval_rows_of_the_wrong_shape_are_refused_with_their_line_before_any_generation(change, said, tmp_path,
+                                                                                          capsys, monkeypatch):
+    monkeypatch.setattr(eval_general, "make_backend", fail_if_called("make_backend"))
+    row = {"key": 1, "prompt": "Write a poem.", "instruction_id_list": ["punctuation:no_comma", "length:x"],
+           "kwargs": [{}, {}]}
+    data = write_jsonl(tmp_path / "ifeval.jsonl", [{**row, "key": 0}, {**row, **change}])
+    code, err = outcome(eval_general.main, ["--tasks", "ifeval", "--ifeval_path", data, "--output_dir",
+                                            tmp_path / "out"], capsys)
+    assert code == 1 and f"ifeval.jsonl:2: {said}" in err

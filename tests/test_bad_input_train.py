@@ -515,3 +515,14 @@ def test_a_grpo_run_stopped_before_its_first_checkpoint_resumes_at_step_0_and_a_
     (run / "trainer_state.json").write_text(json.dumps({"global_step": 30}))
     with pytest.raises(common.InputError, match="holds a finished run without checkpoints"):
         preflight.prepare_resume(grpo_resume_args(run), run / "transcripts.jsonl")
+
+
+def test_a_full_disk_while_torch_saves_a_checkpoint_is_one_line_not_torchs_traceback():
+    def main():  # what torch.save raises when the disk fills (its zip writer's own error, not an OSError)
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
+                           "data/3: file write failed")
+
+    with pytest.raises(SystemExit) as stopped:
+        common.run_trainer(main, "--resume")
+    assert str(stopped.value.code).startswith("error: a checkpoint file could not be written: is the disk full?")
+    assert "continue with --resume" in str(stopped.value.code)

@@ -51,7 +51,9 @@ def test_the_best_scoring_candidate_is_sent_whichever_place_it_was_sampled_in(pa
     assert turn["candidates"] == 6 and turn["share_minus5"] >= 4 / 6  # the four "anyone" replies
 
 
-@pytest.mark.parametrize("flag", [["--n", "0"], ["--copies", "0"], ["--turns", "0"]])
-def test_counts_below_one_are_refused_before_the_model_loads(flag):
+@pytest.mark.parametrize("flag, said", [(["--n", "0"], "at least 1"), (["--copies", "0"], "at least 1"),
+                                        (["--turns", "0"], "at least 1"), (["--max_reply_tokens", "0"], "at least 1"),
+                                        (["--temperature", "0"], "must be above 0")])
+def test_counts_below_one_and_a_zero_temperature_are_refused_before_the_model_loads(flag, said):
     finished = subprocess.run([sys.executable, str(SCRIPT), *flag], capture_output=True, text=True, timeout=120)
-    assert finished.returncode != 0 and "at least 1" in finished.stderr and "Traceback" not in finished.stderr
+    assert finished.returncode != 0 and said in finished.stderr and "Traceback" not in finished.stderr

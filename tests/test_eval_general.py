@@ -367,7 +367,7 @@ def test_the_punkt_data_written_offline_loads_in_nltk_as_the_same_model():
     eval_general.ifeval_checkers()
     text = "Mr. Brown arrived at 5 p.m. on Jan. 3. It rained. The U.S. team won, e.g. in Rome. Why? Nobody knows."
     assert PunktTokenizer("english").tokenize(text) == punkt.sent_tokenize(text)
-    assert str(eval_general.common.MODEL_CACHE / "nltk_data") in nltk.data.path
+    assert str(eval_general.common.model_cache() / "nltk_data") in nltk.data.path
 
 
 def test_ifeval_rows_load_from_the_real_file_when_present():

@@ -253,7 +253,7 @@ def test_a_lora_folder_from_training_is_tested_on_its_base_model(tiny_model_dir,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    monkeypatch.setattr(common, "MODEL_CACHE", tmp_path / "cache")  # the merge's cache
+    monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))  # the merge's cache
     torch.manual_seed(0)
     trained = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, init_lora_weights=False))
     trained.save_pretrained(tmp_path / "run")
@@ -270,3 +270,15 @@ def test_the_leaderboard_tells_result_files_of_one_name_apart_by_their_paths():
     board = eval_sentient.leaderboard({"a/results.jsonl": summary, "b/results.jsonl": {**summary, "score": 60.0}})
     assert [line.split()[1] for line in board.splitlines()[1:3]] == ["b/results.jsonl", "a/results.jsonl"]
     assert eval_sentient.leaderboard({"a/x.jsonl": summary}).splitlines()[1].split()[1] == "x.jsonl"
+
+
+def test_a_first_batch_whose_every_user_fails_says_so_and_leaves_no_file(tiny_model_dir, tmp_path):
+    """Before: a ZeroDivisionError in the progress line and a 0-byte result file."""
+    args = EvalArguments(model=str(tiny_model_dir), profiles=str(benchmark_profiles(tmp_path / "bench.jsonl", count=2)),
+                         output=str(tmp_path / "r.jsonl"), batch_size=2, max_reply_tokens=4, bootstrap_samples=100)
+    with FakeOpenAIServer(default={"status": 500}) as user:
+        with pytest.raises(simulator.SimulatorError, match=r"2 scenario\(s\) whose simulated user failed.*rerun"):
+            eval_sentient.evaluate(args, simulator.SimulatorArguments(backend="llm", base_url=user.base_url,
+                                                                      simulator_model="sim-model",
+                                                                      simulator_max_retries=0))
+    assert not (tmp_path / "r.jsonl").exists()

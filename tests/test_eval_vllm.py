@@ -36,7 +36,7 @@ def vllm_log(monkeypatch, tmp_path):
 @pytest.fixture
 def merge_cache(monkeypatch, tmp_path):
     """Merged adapters go to this test's own cache, not the repository's."""
-    monkeypatch.setattr(common, "MODEL_CACHE", tmp_path / "cache")
+    monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache" / "merged"
 
 

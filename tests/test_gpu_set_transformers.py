@@ -25,7 +25,7 @@ def gpu_set_transformers() -> str:
 
 def overlay(version: str) -> Path:
     """A folder holding that transformers and what it needs beyond this environment (huggingface_hub < 2, httpx)."""
-    folder = common.MODEL_CACHE / f"transformers-{version}"
+    folder = common.model_cache() / f"transformers-{version}"
     if (folder / "transformers").is_dir():
         return folder
     wheels = folder.with_name(folder.name + ".wheels")

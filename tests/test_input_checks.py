@@ -3,6 +3,7 @@ bad files, lines and values come from here."""
 import argparse
 import json
 import sys
+from pathlib import Path
 from dataclasses import dataclass
 
 import pytest
@@ -243,7 +244,7 @@ def test_every_numeric_option_has_a_rule_that_accepts_and_refuses_exactly_what_i
 
 def test_a_model_cache_that_is_a_file_is_refused_before_the_packaged_model_converts(tmp_path, monkeypatch):
     (tmp_path / "r.txt").write_text("")
-    monkeypatch.setattr(common, "MODEL_CACHE", tmp_path / "r.txt")
+    monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "r.txt"))
     with pytest.raises(common.InputError, match=r"^\$RLVER_CACHE .*r\.txt: .*r\.txt is a file, not a folder$"):
         common.resolve_model(common.PACKAGED_MODEL)
 
@@ -347,7 +348,7 @@ def test_an_empty_model_cache_variable_means_the_default_not_the_current_folder(
     import os
     import subprocess
 
-    shown = subprocess.run([sys.executable, "-c", "import common; print(common.MODEL_CACHE)"], cwd=tmp_path,
+    shown = subprocess.run([sys.executable, "-c", "import common; print(common.model_cache())"], cwd=tmp_path,
                            env={**os.environ, "RLVER_CACHE": "", "PYTHONPATH": str(common.REPO_DIR)},
                            capture_output=True, text=True, check=True).stdout.strip()
     assert shown == str(common.REPO_DIR / "cache")
@@ -437,3 +438,18 @@ def test_grpos_vllm_server_address_is_the_one_every_rank_calls_only_in_async_ser
     assert address("--use_vllm", "--vllm_mode", "server", "--rollout", "lockstep") is None
     assert address("--use_vllm", "--vllm_mode", "colocate") is None
     assert address("--vllm_mode", "server") is None
+
+
+def test_the_model_cache_expands_a_tilde_and_is_read_after_a_configs_env(tmp_path, monkeypatch):
+    """RLVER_CACHE='~/rlver-cache' made a folder named ~ in the current folder; a --config file's `env:` is set
+    while parsing, after common was imported, and was ignored."""
+    import os
+
+    import train_grpo
+
+    monkeypatch.setenv("RLVER_CACHE", "~/rlver-cache")
+    assert common.model_cache() == Path(os.path.expanduser("~")) / "rlver-cache"
+    config = tmp_path / "run.yaml"
+    config.write_text(f"env:\n  RLVER_CACHE: {tmp_path / 'from-config'}\n")
+    train_grpo.parse_arguments(["--config", str(config), "--output_dir", str(tmp_path / "run")])
+    assert common.model_cache() == tmp_path / "from-config"

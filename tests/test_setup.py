@@ -40,9 +40,10 @@ chmod +x "$3/bin/pip"
 """
 
 
-def source_setup(tmp_path, arguments="", fails_on=""):
-    """Source a copy of setup.sh (in its own folder: it makes the virtualenv beside itself) with fake python3
-    and pip; (the shell's output with the status and the pip found afterwards, pip's calls)."""
+def source_setup(tmp_path, arguments="", fails_on="", shell="bash", how="source"):
+    """Source (or run, `how="run"`) a copy of setup.sh (in its own folder: it makes the virtualenv beside itself)
+    with fake python3 and pip, in `shell`; (the shell's output with the status and the pip found afterwards, pip's
+    calls)."""
     folder = tmp_path / "repo"
     folder.mkdir()
     shutil.copy(REPO / "setup.sh", folder)
@@ -51,8 +52,9 @@ def source_setup(tmp_path, arguments="", fails_on=""):
     (bin_dir / "python3").write_text(FAKE_PYTHON)
     (bin_dir / "python3").chmod(0o755)
     log = tmp_path / "pip.log"
-    script = f"cd /; source {folder}/setup.sh {arguments}; echo \"status=$? pip=$(command -v pip)\""
-    finished = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+    script = (f"cd /; source {folder}/setup.sh {arguments}; echo \"status=$? pip=$(command -v pip)\"" if how == "source"
+              else f"cd /; {shell} {folder}/setup.sh {arguments}; echo \"status=$?\"")
+    finished = subprocess.run([shell, "-c", script], capture_output=True, text=True, timeout=60,
                               env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "PIP_LOG": str(log),
                                    "PIP_FAILS_ON": fails_on})
     calls = log.read_text().splitlines() if log.exists() else []
@@ -79,3 +81,11 @@ def test_a_failing_step_stops_the_set_up_without_ending_the_users_shell(tmp_path
     other.mkdir()
     output, calls, _ = source_setup(other, "cuda")
     assert calls == [] and "the set is cpu (the default) or gpu, not 'cuda'" in output and "status=2" in output
+
+
+def test_sh_setup_sh_installs_and_says_how_to_activate_without_a_bad_substitution(tmp_path):
+    """`sh setup.sh` (dash, with no arrays) installed, then stopped at bash's BASH_SOURCE with "Bad substitution"."""
+    output, calls, folder = source_setup(tmp_path, shell="sh", how="run")
+    assert calls == [f"install -r {folder}/requirements.txt", f"install --no-deps -r {folder}/requirements-nodeps.txt"]
+    assert "status=0" in output and f"activate it with: . {folder}/.venv/bin/activate" in output
+    assert "Bad substitution" not in output
