@@ -501,3 +501,10 @@ def test_ifeval_rows_of_the_wrong_shape_are_refused_with_their_line_before_any_g
     code, err = outcome(eval_general.main, ["--tasks", "ifeval", "--ifeval_path", data, "--output_dir",
                                             tmp_path / "out"], capsys)
     assert code == 1 and f"ifeval.jsonl:2: {said}" in err
+
+
+def test_a_task_result_file_with_two_rows_of_one_item_is_refused_when_resumed(tmp_path):
+    row = {"id": "HumanEval/0", "verdict": {"passed": True}, "made_by": {}}
+    path = write_jsonl(tmp_path / "humaneval.jsonl", [row, row])
+    with pytest.raises(eval_general.DataError, match="holds two rows of one item"):
+        eval_general.finished_items(path, [{"id": "HumanEval/0"}], {})

@@ -133,3 +133,21 @@ def test_an_arm_of_one_seed_says_it_has_no_standard_error_instead_of_nan(tmp_pat
     run = run_of(tmp_path / "a", [[30], [40], [50], [60]])
     plot_training.main(["--arm", "one seed", str(run), "--out", str(tmp_path / "p.png")])
     assert "| one seed | 1 | 35.0 +- n/a | 55.0 +- n/a | +20.0 +- n/a |" in capsys.readouterr().out
+
+
+def test_two_arms_of_one_label_are_refused_not_merged_into_the_last(tmp_path, capsys):
+    """A dict by label kept the second arm and dropped the first, silently."""
+    first, second = run_of(tmp_path / "a", [[30], [40]]), run_of(tmp_path / "b", [[30], [50]])
+    with pytest.raises(SystemExit) as exit_info:
+        plot_training.main(["--arm", "GRPO", str(first), "--arm", "GRPO", str(second), "--out",
+                            str(tmp_path / "arms.png")])
+    assert exit_info.value.code == 2 and "--arm 'GRPO' is given twice" in capsys.readouterr().err
+
+
+def test_a_transcripts_file_holding_two_runs_rows_is_refused_not_averaged(tmp_path):
+    """A second run's rows appended after the first's: the steps go back to 0."""
+    rows = [transcript_row(step, index, [30, 40]) for _ in range(2) for step in range(4) for index in range(2)]
+    run = write_run(tmp_path / "run", rows)
+    with pytest.raises(plot_training.common.InputError, match=r"transcripts.jsonl:9: step 0 after step 3: this file "
+                                                             "holds the rows of two runs"):
+        plot_training.step_means(run)

@@ -391,3 +391,16 @@ def test_a_screenshot_names_its_maker_so_that_only_its_own_is_ever_replaced(trai
     with pytest.raises(SystemExit, match="a file this script did not write"):
         report.main([str(folder), "--out", str(tmp_path / "r.html"), "--screenshot", str(theirs)])
     assert theirs.read_bytes().endswith(b"someone's picture")
+
+
+def test_a_file_holding_two_runs_rows_is_refused_not_shown_as_one_run(tmp_path):
+    from test_bad_input_tools import write_run
+
+    rows = [transcript_row(step, index, [30, 40]) for _ in range(2) for step in range(2) for index in range(2)]
+    with pytest.raises(report.common.InputError, match="step 0 after step 1: this file holds the rows of two runs"):
+        report.read_rows(write_run(tmp_path / "run", rows))
+    results = tmp_path / "results.jsonl"
+    row = {key: value for key, value in transcript_row(0, 0, [30, 40]).items() if key != "step"}
+    write_jsonl(results, [row, row])
+    with pytest.raises(report.ReportError, match="appears twice"):
+        report.read_rows(results)
