@@ -90,7 +90,7 @@ def json_lines(path, what: str, error=InputError, skip_cut_last_line: bool = Fal
         for number, raw in enumerate(lines, start=1):
             where = f"{path}:{number}"
             try:
-                text = raw.decode("utf-8")
+                text = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a byte-order mark (Notepad's) is no fault
             except UnicodeDecodeError as decode_error:
                 if skip_cut_last_line and not raw.endswith(b"\n"):  # the last line, cut inside a character
                     warn(f"{where}: the last line is cut short (a run killed while writing it?); left out")
@@ -228,7 +228,7 @@ TURNS = (lambda value: 1 <= value <= 100, "from 1 to 100")
 # A seed numpy takes (below 2**32) with room for the offsets added to it (a rank, a scenario's position).
 SEED = (lambda value: 0 <= value < 2**31, "from 0 to 2147483647")
 # Waits a user sets: bounded, so that a typo (1e300, 1000000) cannot leave a run waiting without end.
-CALL_TIMEOUT = (lambda value: 0 < value <= 3600, "above 0 and at most 3600 seconds")
+CALL_TIMEOUT = (lambda value: 0 < value <= 3600, "above 0 and at most 3600")  # seconds
 RETRIES = (lambda value: 0 <= value <= 20, "from 0 to 20")
 ATTEMPTS = (lambda value: 1 <= value <= 20, "from 1 to 20")
 FRACTION = (lambda value: 0 <= value <= 1, "within 0-1")
@@ -626,6 +626,23 @@ def model_record(model: str, base_url: str | None = None) -> dict:
     return record
 
 
+def digest(value) -> str:
+    """A short fingerprint of a JSON value (an input item, a profile), for a row to record what it answered."""
+    import hashlib
+
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)  # default: a library's own objects
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def check_inputs_unchanged(path, rows: list[dict], current: dict[str, str], what: str) -> None:
+    """Refuse to resume onto rows whose input (`current`: id -> digest of the input now) changed since they were
+    written (each row's "input_digest"): the old answer would be scored as this input's."""
+    for row in rows:
+        if "input_digest" in row and row["id"] in current and row["input_digest"] != current[row["id"]]:
+            raise InputError(f"{path}: the row of {what} {row['id']!r} answered another version of it (its text "
+                             "changed since); choose another output, or delete that row to play it again")
+
+
 def check_made_by(path, rows: list[dict], made_by: dict) -> None:
     """Refuse to add rows to a result file whose rows another model or other settings made (each row's
     "made_by"), naming what differs: a file mixing two models would be scored as one."""
@@ -744,6 +761,9 @@ def check_run_folder(folder, script: str, model: str, resuming: bool, resume_fla
     found = sorted(path.name for path in folder.iterdir()  # not the sharing check's marker, nor a marker cut short
                    if not path.name.startswith((".shared-check-", f".{RUN_MARKER}"))) if folder.is_dir() else []
     if not found:
+        if resuming:  # a job script that always resumes starts this way; a mistyped folder does too: say which
+            print(f"{resume_flag}: {folder} holds no run yet: starting a new run there (if you meant to continue "
+                  "another run, stop now and give its folder)", file=sys.stderr, flush=True)
         return
     marker = folder / RUN_MARKER
     if not marker.is_file():
@@ -767,8 +787,10 @@ def check_run_folder(folder, script: str, model: str, resuming: bool, resume_fla
         raise InputError(f"{resume_flag}: {folder} holds a run of {owner_model}, not of {model}; resume it with "
                          "the same model, or choose another --output_dir")
     made_with = made.get("settings", {})
-    changed = [f"--{name} {made_with[name]} (this run: {value})" for name, value in (settings or {}).items()
-               if name in made_with and made_with[name] != value]
+    changed = [f"--{name} {was} (this run: {now})" for name, value in (settings or {}).items()
+               if name in made_with and made_with[name] != value
+               for was, now in [(made_with[name], value) if str(made_with[name]) != str(value)  # else told apart:
+                                else (json.dumps(made_with[name]), json.dumps(value))]]  # "1" and 1
     if changed:
         raise InputError(f"{resume_flag}: {folder} holds a run made with {', '.join(changed)}; resume it with "
                          "its settings, or choose another --output_dir")
@@ -1050,7 +1072,11 @@ class ChatClient:
                 call.failed = 1
                 raise EndpointError(f"{self.role} endpoint {self.base_url} cut its answer at max_tokens "
                                     f"{self.max_tokens} (finish_reason length); raise --simulator_max_tokens")
-            return response.choices[0].message.content or ""
+            if response.choices[0].message.content is None:  # a tool call, or a reasoning server's answer
+                call.failed = 1
+                raise EndpointError(f"{self.role} endpoint {self.base_url} answered a chat completion without content "
+                                    "(a tool call, or only reasoning?); serve the model so that it answers in text")
+            return response.choices[0].message.content
         except openai.APIError as error:
             call.failed = 1
             raise EndpointError(f"{self.role} endpoint {self.base_url} failed after retries: {error}") from None

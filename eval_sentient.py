@@ -127,6 +127,9 @@ def result_rows(path, skip_cut_last_line: bool = False):
     for _, where, row in common.json_lines(path, "result file", ResultFileError, skip_cut_last_line):
         if not isinstance(row, dict):
             raise ResultFileError(f"{where}: a result row must be a JSON object")
+        if "step" in row:  # a training run's transcript: each profile played at every step
+            raise ResultFileError(f"{where}: a training run's transcript row (it has a 'step'), not a benchmark "
+                                  "result; read a run's dialogues with report.py, its curve with plot_training.py")
         point = row.get("emo_point")
         if isinstance(point, bool) or not isinstance(point, (int, float)) or not 0 <= point <= simulator.MAX_EMOTION:
             raise ResultFileError(f"{where}: field 'emo_point' must be a number within 0-100, got {point!r}")
@@ -262,6 +265,7 @@ def finished_ids(path: Path, made_by: dict, profiles: list, profiles_file: str, 
         raise ResultFileError(f"{path} holds results for scenarios not in {where} (e.g. {sorted(unknown)[0]}); "
                               f"choose another --output{' or raise --limit' if limit else ''}")
     common.check_made_by(path, rows, made_by)
+    common.check_inputs_unchanged(path, rows, {p.id: common.digest(p.to_row()) for p in profiles}, "scenario")
     return done
 
 
@@ -309,8 +313,8 @@ def play_local(args, simulator_args, chat, profiles, done: set, output: Path, pr
             torch.manual_seed(args.seed + index)
             dialogues = runner.run([(p, p.first_talk) for p in batch], generate)
             failed += [d for d in dialogues if d.failure is not None]
-            rows = [{**d.simulator.result_row(d.think_texts), "made_by": made_by} for d in dialogues
-                    if d.failure is None]
+            rows = [{**d.simulator.result_row(d.think_texts), "made_by": made_by,
+                     "input_digest": common.digest(d.profile.to_row())} for d in dialogues if d.failure is None]
             append_rows(output, rows)
             progress(rows)
     finally:
@@ -349,7 +353,7 @@ async def play_endpoint(args, simulator_args, chat, profiles, done: set, output:
                 thoughts.append(thought)
                 turn = await user.respond(reply)
                 messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": turn.message}]
-            row = {**user.result_row(thoughts), "made_by": made_by}
+            row = {**user.result_row(thoughts), "made_by": made_by, "input_digest": common.digest(profile.to_row())}
         append_rows(output, [row])  # one event loop thread: appends never interleave
         progress([row])
 

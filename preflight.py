@@ -171,6 +171,9 @@ def resume_checkpoint(training_args: GRPOConfig) -> Path | None:
     if given.lower() in ("true", "latest"):
         return common.newest_whole_checkpoint(output_dir, ("trainer_state.json",),
                                               lambda note: print(note, file=sys.stderr), trainer_state_step)
+    if not Path(given).exists():
+        raise common.InputError(f"--resume_from_checkpoint {given}: no such folder; give its path, such as "
+                                f"{Path(output_dir) / Path(given).name}, or true for the newest checkpoint")
     if common.real_path(given).parent != common.real_path(output_dir):
         # Its run's settings and rows are in that folder: a resume here would check against, and add to, neither.
         raise common.InputError(f"--resume_from_checkpoint {given}: not a checkpoint of --output_dir "
@@ -207,8 +210,9 @@ def prepare_resume(training_args: GRPOConfig, transcripts: Path) -> None:
         training_args.resume_from_checkpoint = str(checkpoint)
         trained = trainer_state_step(checkpoint)
         common.check_steps_left("--resume_from_checkpoint", checkpoint, trained, training_args.max_steps)
-    dropped = sum(rollout.keep_rows_before(path, trained)
-                  for path in [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")])
+    files = [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]
+    rollout.check_rows_up_to(files, trained)
+    dropped = sum(rollout.keep_rows_before(path, trained) for path in files)
     if checkpoint is None:
         print(f"--resume_from_checkpoint: no checkpoint in {output_dir} yet (the run stopped before its first save, "
               f"every --save_steps {training_args.save_steps}): starting again at step 0; dropped the {dropped} "

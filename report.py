@@ -50,7 +50,7 @@ def read_rows(path: Path) -> list[dict]:
     rows = []
     for file in files:
         parsed_lines = common.json_lines(file, "transcript or result file", ReportError, skip_cut_last_line=True)
-        last_step, scenarios = {}, set()
+        last_step = {}
         for _, where, row in parsed_lines:
             if not isinstance(row, dict) or not isinstance(row.get("history"), list) or "id" not in row:
                 raise ReportError(f"{where}: a row needs 'id' and a 'history' list")
@@ -64,10 +64,6 @@ def read_rows(path: Path) -> list[dict]:
                 raise ReportError(f"{where}: 'step' must be a whole number (a training step), got {step!r}")
             if step is not None:
                 common.check_steps_in_order(where, step, last_step)
-            elif row["id"] in scenarios:  # an evaluation's result file holds each scenario once
-                raise ReportError(f"{where}: scenario {row['id']!r} appears twice (two runs' rows in one file?); give "
-                                  "one run's results")
-            scenarios.add(row["id"])
             rows.append(row)
     if not rows:
         raise ReportError(f"{path}: no dialogues")

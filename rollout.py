@@ -683,6 +683,19 @@ def check_failures(dialogues: list[Dialogue], max_failed_share: float, accelerat
             f"{max_failed_share} allows; check the simulator endpoint. Last error: {last_error}")
 
 
+def check_rows_up_to(paths: list, step: int, what: str = "transcripts") -> None:
+    """Refuse a resume at `step` whose rows of the steps before are gone (a file deleted or moved): the run would
+    go on, and its figures would start where the rows do."""
+    present = {row.get("step") for path in paths if Path(path).is_file()
+               for _, _, row in common.json_lines(path, what, skip_cut_last_line=True) if isinstance(row, dict)}
+    missing = sorted(set(range(step)) - present)
+    if missing:
+        shown = ", ".join(map(str, missing[:5])) + (" ..." if len(missing) > 5 else "")
+        raise common.InputError(f"the run's {what} ({', '.join(map(str, paths))}) hold no rows of steps {shown}, "
+                                f"which its checkpoint at step {step} trained: deleted or moved? put them back, or "
+                                "start a new run in another --output_dir")
+
+
 def keep_rows_before(path, step: int, what: str = "transcripts file") -> int:
     """Drop the rows written for steps >= `step` (a resumed run plays them again); returns how many. A last
     line cut short (a run killed while writing it) is dropped with a warning; any other line that is not a

@@ -703,6 +703,9 @@ def make_chat(args: SimulatorArguments):
         base_url = args.base_url or os.environ.get("OPENAI_BASE_URL")
         if not base_url:
             raise SimulatorError("--backend llm needs --base_url, e.g. http://localhost:8000/v1 for `vllm serve`")
+        if not args.base_url and not common.is_url(base_url):  # the flag is checked while parsing
+            raise SimulatorError(f"$OPENAI_BASE_URL {base_url!r} (the simulator's address, as no --base_url is given): "
+                                 f"must be {common.URL[1]}; set it so, or pass --base_url")
         return common.ChatClient(base_url, args.simulator_model, args.api_key_env,
                                  temperature=args.simulator_temperature, max_tokens=args.simulator_max_tokens,
                                  timeout=args.simulator_timeout, max_retries=args.simulator_max_retries,

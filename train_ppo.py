@@ -712,6 +712,9 @@ def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_s
                                 "--output_dir for a new run")
     step = 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
     common.check_steps_left("--resume", checkpoint, step, max_steps)
+    rollout.check_rows_up_to([transcripts], step)
+    if accelerator.is_main_process:
+        rollout.check_rows_up_to([metrics_file], step, "metrics file")
     dropped = (rollout.keep_rows_before(transcripts, step),
                rollout.keep_rows_before(metrics_file, step, "metrics file") if accelerator.is_main_process else 0)
     if checkpoint is None and any(dropped):

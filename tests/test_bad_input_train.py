@@ -471,6 +471,7 @@ def test_a_grpo_checkpoint_whose_state_says_another_step_than_its_name_is_passed
         (run / f"checkpoint-{step}").mkdir(parents=True)
         (run / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     (run / "checkpoint-20" / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
+    common.append_json_lines(run / "transcripts.jsonl", [{"step": step} for step in range(20)])
     args = grpo_resume_args(run)
     preflight.prepare_resume(args, run / "transcripts.jsonl")
     assert args.resume_from_checkpoint == str(run / "checkpoint-10")
@@ -492,6 +493,7 @@ def test_a_ppo_checkpoint_renamed_is_not_resumed_at_its_new_name(tmp_path):
     torch.save({}, folder / "critic.pt")
     transcripts = run / "transcripts.jsonl"
     common.append_json_lines(transcripts, [{"step": step} for step in range(5)])
+    common.append_json_lines(run / "metrics.jsonl", [{"step": step} for step in range(5)])
     accelerator = types.SimpleNamespace(print=print, is_main_process=True)
     with pytest.raises(common.InputError, match="checkpoint-9: holds step 3, not 9 .* move them aside to start"):
         train_ppo.resume_point(run, transcripts, run / "metrics.jsonl", 3, 30, accelerator)
@@ -526,3 +528,56 @@ def test_a_full_disk_while_torch_saves_a_checkpoint_is_one_line_not_torchs_trace
         common.run_trainer(main, "--resume")
     assert str(stopped.value.code).startswith("error: a checkpoint file could not be written: is the disk full?")
     assert "continue with --resume" in str(stopped.value.code)
+
+
+# --------------------------------------------------------------------------------------------
+# A blind round's findings (2026-12-07): resumes onto missing rows, a mistyped folder, told-apart values
+# --------------------------------------------------------------------------------------------
+
+def test_a_ppo_resume_whose_transcripts_were_deleted_is_refused_not_continued_without_them(tmp_path):
+    import torch
+
+    run = tmp_path / "run"
+    folder = run / "checkpoint-2"
+    (folder / "policy").mkdir(parents=True)
+    (folder / "policy" / "config.json").write_text("{}")
+    torch.save({"step": 2}, folder / "state.pt")
+    torch.save({}, folder / "critic.pt")
+    common.append_json_lines(run / "metrics.jsonl", [{"step": 0}, {"step": 1}])
+    accelerator = types.SimpleNamespace(print=print, is_main_process=True)
+    with pytest.raises(common.InputError, match=r"hold no rows of steps 0, 1, which its checkpoint at step 2 "
+                                                r"trained: deleted or moved\?"):
+        train_ppo.resume_point(run, run / "transcripts.jsonl", run / "metrics.jsonl", 1, 30, accelerator)
+    common.append_json_lines(run / "transcripts.jsonl", [{"step": 0}, {"step": 1}])
+    assert train_ppo.resume_point(run, run / "transcripts.jsonl", run / "metrics.jsonl", 1, 30,
+                                  accelerator) == (folder, 2)
+
+
+def test_a_grpo_resume_whose_transcripts_were_deleted_is_refused(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoint-2").mkdir(parents=True)
+    (run / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    with pytest.raises(common.InputError, match="hold no rows of steps 0, 1"):
+        preflight.prepare_resume(grpo_resume_args(run), run / "transcripts.jsonl")
+
+
+def test_a_resume_flag_on_a_folder_holding_no_run_says_it_starts_a_new_run(tmp_path, capsys):
+    """A job script that always resumes starts so; a mistyped folder too, and was silent."""
+    common.check_run_folder(tmp_path / "ppo43x", "train_ppo.py", "m", True, "--resume")
+    said = capsys.readouterr().err
+    assert said.startswith(f"--resume: {tmp_path / 'ppo43x'} holds no run yet: starting a new run there"), said
+
+
+def test_a_marker_value_that_reads_like_this_runs_is_shown_so_they_are_told_apart(tmp_path):
+    common.mark_run_folder(tmp_path / "run", "train_ppo.py", "m", {"max_turns": "1"})
+    (tmp_path / "run" / "transcripts.jsonl").write_text("")
+    with pytest.raises(common.InputError, match=r'--max_turns "1" \(this run: 1\)'):
+        common.check_run_folder(tmp_path / "run", "train_ppo.py", "m", True, "--resume", {"max_turns": 1})
+
+
+def test_a_bare_checkpoint_name_that_does_not_exist_says_so_and_what_to_give(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoint-4").mkdir(parents=True)
+    with pytest.raises(common.InputError, match=r"--resume_from_checkpoint checkpoint-4: no such folder; give its "
+                                                r"path, such as .*run/checkpoint-4, or true"):
+        preflight.resume_checkpoint(grpo_resume_args(run, "checkpoint-4"))

@@ -548,7 +548,7 @@ def transcript(step, final, turns=1, violations=0):
 def test_step_values_pool_every_rank_file_and_come_in_step_order(tmp_path):
     # Rank 0 lost its dialogues at step 0: that step is read last, from rank 1's file.
     rank0 = [transcript(1, 50, 2, 1), transcript(1, 70, 4, 0), transcript(2, 20, 3, 3)]
-    rank1 = [transcript(0, 30, 1, 1), transcript(1, 90, 1, 1), transcript(2, 40, 5, 0), transcript(0, 61, 2, 0)]
+    rank1 = [transcript(0, 30, 1, 1), transcript(0, 61, 2, 0), transcript(1, 90, 1, 1), transcript(2, 40, 5, 0)]
     write_jsonl(tmp_path / "transcripts.rank0.jsonl", rank0)
     write_jsonl(tmp_path / "transcripts.rank1.jsonl", rank1)
     with (tmp_path / "transcripts.rank1.jsonl").open("a") as cut:
@@ -900,7 +900,7 @@ def test_a_benchmark_killed_mid_row_resumes_from_its_whole_rows(tmp_path, capsys
     path = tmp_path / "results.jsonl"
     whole = {"id": "a", "emo_point": 40, "history": [], "made_by": {"model": "m"}}
     path.write_text(json.dumps(whole) + "\n" + '{"id": "b", "emo_po')
-    profiles = [types.SimpleNamespace(id=id_) for id_ in ("a", "b")]
+    profiles = [types.SimpleNamespace(id=id_, to_row=lambda: {}) for id_ in ("a", "b")]
     assert eval_sentient.finished_ids(path, {"model": "m"}, profiles, "bench.jsonl", None) == {"a"}
     assert eval_sentient.finished_ids(tmp_path / "none.jsonl", {"model": "m"}, profiles, "bench.jsonl", None) == set()
     with pytest.raises(eval_sentient.ResultFileError, match=r"holds results for scenarios not in the first 1 of "

@@ -619,7 +619,9 @@ def test_a_broken_newest_checkpoint_is_named_and_passed_over_for_the_one_before(
     assert found == tmp_path / "checkpoint-5"
     assert len(said) == 1 and said[0].startswith(f"{tmp_path / 'checkpoint-10'}: ") and problem in said[0]
     damage(tmp_path / "checkpoint-5")
-    assert newest(tmp_path)[0] is None
+    with pytest.raises(common.InputError, match="no checkpoint of .* can be resumed from .*checkpoint-10: .*"
+                                                "checkpoint-5: .*move them aside to start the run over"):
+        newest(tmp_path)  # every checkpoint broken: not a restart at step 0 that drops every trained step
 
 
 def test_ranks_share_python_and_numpy_seeds_but_sample_with_their_own_torch_seed():

@@ -399,8 +399,3 @@ def test_a_file_holding_two_runs_rows_is_refused_not_shown_as_one_run(tmp_path):
     rows = [transcript_row(step, index, [30, 40]) for _ in range(2) for step in range(2) for index in range(2)]
     with pytest.raises(report.common.InputError, match="step 0 after step 1: this file holds the rows of two runs"):
         report.read_rows(write_run(tmp_path / "run", rows))
-    results = tmp_path / "results.jsonl"
-    row = {key: value for key, value in transcript_row(0, 0, [30, 40]).items() if key != "step"}
-    write_jsonl(results, [row, row])
-    with pytest.raises(report.ReportError, match="appears twice"):
-        report.read_rows(results)
