@@ -595,6 +595,7 @@ def note_interruption(folder, step: int, checkpoint, resume: str) -> None:
     made = json.loads(marker.read_text())
     made.setdefault("interrupted", []).append({"after_step": step, "checkpoint": str(checkpoint)})
     marker.write_text(json.dumps(made) + "\n")
+    note_output(marker, again=True)  # this run's own change
     print(f"interrupted after step {step} ({step + 1} step{'s' if step else ''} trained): {checkpoint} holds its "
           f"state; continue with: {resume}", file=sys.stderr)
 
@@ -803,10 +804,16 @@ def mark_run_folder(folder, script: str, model: str, settings: dict | None = Non
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     hold(folder, "--output_dir")  # before the marker: a second run started at once must not write one
+    marker = folder / RUN_MARKER
+    try:  # a resume keeps what the run's marker recorded (its interruptions); a first launch finds none
+        made = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        made = {}
+    made = {**(made if isinstance(made, dict) else {}), "script": script, "model": model, "settings": settings or {},
+            "launch": uuid.uuid4().hex}
     partial = folder / f".{RUN_MARKER}.partial"  # replaced whole: a kill while writing leaves the old one
-    partial.write_text(json.dumps({"script": script, "model": model, "settings": settings or {},
-                                   "launch": uuid.uuid4().hex}) + "\n")
-    partial.replace(folder / RUN_MARKER)
+    partial.write_text(json.dumps(made) + "\n")
+    partial.replace(marker)
 
 
 def claim_run_folder(folder, script: str, model: str, resuming: bool, resume_flag: str, settings: dict,

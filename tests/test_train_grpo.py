@@ -329,7 +329,7 @@ def test_a_run_folder_removed_while_training_stops_the_run_instead_of_making_a_n
 
     run = tmp_path / "run"
     remove_during_step_1(monkeypatch, run)
-    with pytest.raises(common.InputError, match=rf"^{run} was removed or replaced while this run trained"):
+    with pytest.raises(common.InputError, match=rf"^{run} was removed while this run wrote it: stopped without writing more"):
         train_grpo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(run), "--max_steps", "3",
                          "--max_turns", "1", "--max_reply_tokens", "4", "--num_generations", "2",
                          "--per_device_train_batch_size", "2"])

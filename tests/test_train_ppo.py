@@ -716,7 +716,7 @@ def test_a_run_folder_removed_while_training_stops_the_run_instead_of_making_a_n
 
     run = tmp_path / "run"
     remove_during_step_1(monkeypatch, run)
-    with pytest.raises(common.InputError, match=rf"^{run} was removed or replaced while this run trained"):
+    with pytest.raises(common.InputError, match=rf"^{run} was removed while this run wrote it: stopped without writing more"):
         train_ppo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(run), "--max_steps", "3",
                         "--max_turns", "1", "--max_reply_tokens", "4", "--dialogues_per_profile", "2",
                         "--minibatch_size", "2"])
