@@ -490,8 +490,8 @@ def run_trainer(main, resume_flag: str) -> None:
         main()
     except (InputError, EndpointError) as error:  # the simulator's errors are EndpointErrors
         raise SystemExit(f"error: {error}") from None
-    except OSError as error:  # a full disk, a name too long, a folder removed while writing
-        raise SystemExit(f"error: {error} (fix it: {kept})") from None
+    except OSError as error:  # a full disk, a name too long, a file moved away while it was needed
+        raise SystemExit(f"error: {error} (fix it, then continue with {resume_flag})") from None
     except RuntimeError as error:
         if "PytorchStreamWriter failed writing" in str(error):  # torch.save's full disk: an OSError of its own
             raise SystemExit(f"error: a checkpoint file could not be written: is the disk full? (fix it: {kept}; a "
@@ -1208,6 +1208,10 @@ def loadable_model(name_or_path: str) -> str:
     if not path.is_dir():
         return resolve_model(name_or_path)  # the packaged model or a hub id
     if (path / "adapter_config.json").is_file():
+        if not any((path / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
+            raise InputError(f"{path} holds an adapter's config (adapter_config.json) but not its weights "
+                             "(adapter_model.safetensors): moved or deleted? put them back, or give the run's "
+                             "checkpoint-N/policy folder")
         return merged_adapter(path)
     if not (path / "config.json").is_file():
         raise InputError(f"{path} holds neither a model (config.json) nor a PEFT adapter (adapter_config.json)")

@@ -719,7 +719,7 @@ def evaluate(args: GeneralEvalArguments) -> dict:
     from tqdm import tqdm
 
     tasks = task_list(args.tasks)
-    output_dir = Path(args.output_dir) if args.output_dir else default_output_dir(args)
+    output_dir = Path(args.output_dir).expanduser() if args.output_dir else default_output_dir(args)  # ~ as a shell
     common.check_output_folder(output_dir, "output_dir")
     if (output_dir / common.RUN_MARKER).is_file():  # its files would mix with the run's
         raise DataError(f"--output_dir {output_dir}: a training run's folder; give a folder of its own")

@@ -302,8 +302,7 @@ def play_local(args, simulator_args, chat, profiles, done: set, output: Path, pr
     runner = rollout.DialogueRunner(tokenizer, benchmark_dialogues(args), simulator_args, chat)
     failed = []  # scenarios whose simulated user failed past its retries: not written, so a rerun plays them
     try:
-        for profile in profiles:  # a --max_dialogue_tokens too small for a prompt fails before the weights load
-            runner.prompt_ids(profile, profile.first_talk)
+        runner.check_room([(p, p.first_talk) for p in profiles])  # before the weights load
         runner.check_chat()  # a wrong URL, key or model name fails now, before the weights load
         generate = generation.load_generator(args, folder, tokenizer)
         for index in range(0, len(profiles), args.batch_size):
@@ -366,7 +365,7 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
     simulator.check_backend(profiles, simulator_args)
     simulator.check_policy_prompts(simulator_args, args.think)
     common.check_vllm(args.use_vllm and not args.model_base_url)
-    output = Path(args.output) if args.output else default_output(args)
+    output = Path(args.output).expanduser() if args.output else default_output(args)  # ~ as a shell reads it
     # A file of rows, ours, is resumed (finished_ids).
     # Ours: rows that say who made them (a training run's transcripts are rows too, without it).
     common.check_output_file(output, "output", common.starts_with(b'"made_by": {', 1 << 22), [args.profiles])

@@ -272,10 +272,18 @@ class DialogueRunner:
         self.min_turn_tokens = MIN_REPLY_TOKENS + (
             len(self.segments.think_open) + len(self.segments.think_close) + 1 if args.think else 0)
         self.loop = asyncio.new_event_loop()
+        self.needed = []  # tokens each of the run's profiles needs (check_room)
         self._next_id = 0
         self._told_lockstep = False
 
     def close(self) -> None:
+        """Close the loop, first ending any dialogue a Ctrl-C left running on it (else each would be torn down
+        later against a closed loop, with a traceback)."""
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
 
     def check_chat(self) -> None:
@@ -303,16 +311,28 @@ class DialogueRunner:
 
     def prompt_ids(self, profile, opening: str) -> list[int]:
         """The policy's prompt for a dialogue (system prompt and the user's opening); refused when it leaves
-        no room for one turn within max_dialogue_tokens."""
+        no room for one turn within max_dialogue_tokens (the figure said: what the longest of `self.starts`, the
+        run's every profile when check_room was called, needs)."""
+        prompt_ids = self._prompt(profile, opening)
+        needed = len(prompt_ids) + self.min_turn_tokens
+        if needed > self.args.max_dialogue_tokens:
+            raise common.InputError(f"--max_dialogue_tokens {self.args.max_dialogue_tokens}: profile {profile.id} "
+                                    f"needs {needed} tokens for its prompt and a short reply; raise it to at least "
+                                    f"{max([needed, *self.needed])}")
+        return prompt_ids
+
+    def check_room(self, starts: list[tuple]) -> None:
+        """At start-up, prompt_ids for every (profile, opening) of the run: a max_dialogue_tokens too small for one
+        of them would otherwise stop the run when that profile is first drawn, hours in."""
+        self.needed = [len(self._prompt(profile, opening)) + self.min_turn_tokens for profile, opening in starts]
+        for profile, opening in starts:
+            self.prompt_ids(profile, opening)
+
+    def _prompt(self, profile, opening: str) -> list[int]:
         args, language = self.args, self.simulator_args.language or profile.language
         messages = generation.policy_messages(language, args.think, args.policy_prompt,
                                               self.simulator_args.official("policy_prompts"))
-        prompt_ids = self.segments.prompt_ids(messages, opening)
-        needed = len(prompt_ids) + self.min_turn_tokens
-        if needed > args.max_dialogue_tokens:
-            raise common.InputError(f"--max_dialogue_tokens {args.max_dialogue_tokens}: profile {profile.id} needs "
-                                    f"{needed} tokens for its prompt and a short reply; raise it to at least {needed}")
-        return prompt_ids
+        return self.segments.prompt_ids(messages, opening)
 
     async def _run(self, starts, generate, shared) -> list[Dialogue]:
         dialogues = []

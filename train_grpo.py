@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, simulator.make_chat(simulator_args))
     runner.check_chat()  # fail now, not after loading the model
     openings = shared_openings(runner, list(profiles.values()), training_args)
+    runner.check_room([(profile, openings[profile.id]) for profile in profiles.values()])
 
     def rollout_func(prompts: list[str], trainer) -> dict:
         starts = [(profiles[profile_id], openings[profile_id]) for profile_id in prompts]

@@ -586,11 +586,12 @@ def main(argv=None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
     runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, simulator.make_chat(simulator_args))
     runner.check_chat()  # a wrong URL, key or model name fails now, before any model loads
+    openings = runner.openings(profiles)
+    runner.check_room([(profile, openings[profile.id]) for profile in profiles])
     model, optimizer, reference = set_up_models(args, accelerator, checkpoint, start_step)
     networks = accelerator.unwrap_model(model)  # .policy and .critic, for generation and saving
     if accelerator.is_main_process and args.report_to != "none":
         accelerator.init_trackers("rlver-ppo", config={**vars(args), **vars(dialogue_args)})
-    openings = runner.openings(profiles)
     vllm_server = generation.VLLMServerGenerator(args.vllm_server_host, args.vllm_server_port,
                                                  args.temperature) if args.use_vllm else None
     if vllm_server is not None:

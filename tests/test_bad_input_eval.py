@@ -558,3 +558,32 @@ def test_rescoring_a_training_transcript_says_what_it_is_and_which_tool_reads_it
     path = write_jsonl(tmp_path / "transcripts.jsonl", [{**result_row("a"), "step": 0}])
     code, said = outcome(eval_sentient.main, ["--rescore", path], capsys)
     assert code == 1 and "a training run's transcript row" in said and "report.py" in said
+
+
+def test_an_adapter_folder_without_its_weights_is_one_line_not_a_hub_traceback(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "adapter_config.json").write_text('{"base_model_name_or_path": "x"}')
+    with pytest.raises(common.InputError, match="holds an adapter's config .* but not its weights"):
+        common.loadable_model(str(tmp_path / "run"))
+
+
+def test_a_tilde_in_an_evaluations_output_is_the_home_folder_not_a_folder_named_tilde(tmp_path, monkeypatch, capsys,
+                                                                                      no_sentient_model):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "r.jsonl").mkdir()  # refused as a folder: the message shows which path was meant
+    code, said = outcome(eval_sentient.main, ["--output", "~/r.jsonl"], capsys)
+    assert code == 1 and f"--output {tmp_path / 'r.jsonl'}: a folder" in said
+
+
+def test_closing_a_runner_ends_the_dialogues_a_ctrl_c_left_on_its_loop(tmp_path):
+    """Else each is torn down later against the closed loop: "Event loop is closed" and "Task was destroyed"."""
+    import asyncio
+
+    import rollout
+
+    runner = rollout.DialogueRunner.__new__(rollout.DialogueRunner)  # its loop alone
+    runner.loop = asyncio.new_event_loop()
+    left = runner.loop.create_task(asyncio.sleep(100))
+    runner.loop.run_until_complete(asyncio.sleep(0))
+    runner.close()
+    assert left.cancelled() and runner.loop.is_closed()

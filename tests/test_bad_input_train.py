@@ -581,3 +581,18 @@ def test_a_bare_checkpoint_name_that_does_not_exist_says_so_and_what_to_give(tmp
     with pytest.raises(common.InputError, match=r"--resume_from_checkpoint checkpoint-4: no such folder; give its "
                                                 r"path, such as .*run/checkpoint-4, or true"):
         preflight.resume_checkpoint(grpo_resume_args(run, "checkpoint-4"))
+
+
+def test_a_dialogue_budget_too_small_for_any_profile_is_refused_at_start_up_with_the_largest_need(tmp_path):
+    """Checked as each profile was drawn, the run stopped hours in, and the figure it said covered only that
+    profile: following it failed again on a longer one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(common.resolve_model(common.PACKAGED_MODEL))
+    runner = rollout.DialogueRunner(tokenizer, rollout.DialogueArguments(max_dialogue_tokens=60))
+    profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES)[:6]
+    starts = [(profile, "Hi." + " More words here." * index) for index, profile in enumerate(profiles)]
+    largest = max(len(runner._prompt(profile, opening)) for profile, opening in starts) + runner.min_turn_tokens
+    with pytest.raises(common.InputError, match=rf"raise it to at least {largest}$"):
+        runner.check_room(starts)
+    runner.close()
