@@ -699,18 +699,14 @@ def checkpoint_problem(folder, required: tuple[str, ...], step_of=None) -> str |
     return None
 
 
-def checkpoint_folders(output_dir) -> list[Path]:
-    """The checkpoint-N folders of `output_dir`, newest first."""
-    return sorted((path for path in Path(output_dir).glob("checkpoint-*") if path.name.split("-")[1].isdigit()),
-                  key=lambda path: int(path.name.split("-")[1]), reverse=True)
-
-
 def newest_whole_checkpoint(output_dir, required: tuple[str, ...], say=print, step_of=None) -> Path | None:
     """The newest checkpoint-N folder of `output_dir` that checkpoint_problem finds whole, `say`ing why each
     newer one was passed over; None if there is none. Refused when there are checkpoints and none is whole:
     starting over would drop every step the run trained."""
+    folders = sorted((path for path in Path(output_dir).glob("checkpoint-*") if path.name.split("-")[1].isdigit()),
+                     key=lambda path: int(path.name.split("-")[1]), reverse=True)
     problems = []
-    for folder in checkpoint_folders(output_dir):
+    for folder in folders:
         problem = checkpoint_problem(folder, required, step_of)
         if problem is None:
             return folder
@@ -788,10 +784,10 @@ def check_run_folder(folder, script: str, model: str, resuming: bool, resume_fla
         raise InputError(f"{resume_flag}: {folder} holds a run of {owner_model}, not of {model}; resume it with "
                          "the same model, or choose another --output_dir")
     made_with = made.get("settings", {})
-    changed = [f"--{name} {was} (this run: {now})" for name, value in (settings or {}).items()
-               if name in made_with and made_with[name] != value
-               for was, now in [(made_with[name], value) if str(made_with[name]) != str(value)  # else told apart:
-                                else (json.dumps(made_with[name]), json.dumps(value))]]  # "1" and 1
+    differing = [(name, made_with[name], value) for name, value in (settings or {}).items()
+                 if name in made_with and made_with[name] != value]
+    shown = json.dumps if any(str(was) == str(now) for _, was, now in differing) else str  # "1" and 1 told apart
+    changed = [f"--{name} {shown(was)} (this run: {shown(now)})" for name, was, now in differing]
     if changed:
         raise InputError(f"{resume_flag}: {folder} holds a run made with {', '.join(changed)}; resume it with "
                          "its settings, or choose another --output_dir")

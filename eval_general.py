@@ -309,11 +309,6 @@ LOADERS = {"math500": load_math500, "livecodebench": load_livecodebench, "humane
            "ifeval": load_ifeval}
 
 
-def item_digest(item: dict) -> str:
-    """What an item asks and how it is graded, fingerprinted (a row records which version of the item it answered)."""
-    return common.digest(item)
-
-
 def load_items(task: str, args) -> list[dict]:
     """A task's items, each id once: a result row names its item by id, so a second item of an id would be
     taken as done once the first was."""
@@ -630,7 +625,7 @@ def finished_items(path: Path, items: list[dict], made_by: dict) -> set:
     done = {row["id"] for row in rows}
     if len(done) < len(rows):
         raise DataError(f"{path}: holds two rows of one item (two runs' rows?); choose another --output_dir")
-    common.check_inputs_unchanged(path, rows, {item["id"]: item_digest(item) for item in items}, "item")
+    common.check_inputs_unchanged(path, rows, {item["id"]: common.digest(item) for item in items}, "item")
     unknown = done - {item["id"] for item in items}
     if unknown:
         raise DataError(f"{path} holds items this data does not have (e.g. {sorted(unknown)[0]}); "
@@ -667,7 +662,7 @@ def run_task(task: str, items: list[dict], done: set, args: GeneralEvalArguments
             rows = []
             for item, text, response, verdict in zip(batch, raw, responses, graders):
                 row = {"id": item["id"], "prompt": item["messages"][-1]["content"], "output": text, "verdict": verdict,
-                       "made_by": made_by, "input_digest": item_digest(item)}
+                       "made_by": made_by, "input_digest": common.digest(item)}
                 row.update({key: item[key] for key in BREAKDOWNS.get(task, ())})
                 if args.think:
                     row["graded_response"] = response

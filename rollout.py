@@ -272,7 +272,6 @@ class DialogueRunner:
         self.min_turn_tokens = MIN_REPLY_TOKENS + (
             len(self.segments.think_open) + len(self.segments.think_close) + 1 if args.think else 0)
         self.loop = asyncio.new_event_loop()
-        self.needed = []  # tokens each of the run's profiles needs (check_room)
         self._next_id = 0
         self._told_lockstep = False
 
@@ -311,22 +310,24 @@ class DialogueRunner:
 
     def prompt_ids(self, profile, opening: str) -> list[int]:
         """The policy's prompt for a dialogue (system prompt and the user's opening); refused when it leaves
-        no room for one turn within max_dialogue_tokens (the figure said: what the longest of `self.starts`, the
-        run's every profile when check_room was called, needs)."""
+        no room for one turn within max_dialogue_tokens."""
         prompt_ids = self._prompt(profile, opening)
-        needed = len(prompt_ids) + self.min_turn_tokens
-        if needed > self.args.max_dialogue_tokens:
-            raise common.InputError(f"--max_dialogue_tokens {self.args.max_dialogue_tokens}: profile {profile.id} "
-                                    f"needs {needed} tokens for its prompt and a short reply; raise it to at least "
-                                    f"{max([needed, *self.needed])}")
+        self._check_room([(profile, len(prompt_ids))])
         return prompt_ids
 
     def check_room(self, starts: list[tuple]) -> None:
-        """At start-up, prompt_ids for every (profile, opening) of the run: a max_dialogue_tokens too small for one
-        of them would otherwise stop the run when that profile is first drawn, hours in."""
-        self.needed = [len(self._prompt(profile, opening)) + self.min_turn_tokens for profile, opening in starts]
-        for profile, opening in starts:
-            self.prompt_ids(profile, opening)
+        """prompt_ids' check for every (profile, opening) of the run at once, at start-up: a max_dialogue_tokens too
+        small for one of them would otherwise stop the run when that profile is first drawn, and the figure said
+        is the one the longest prompt needs."""
+        self._check_room([(profile, len(self._prompt(profile, opening))) for profile, opening in starts])
+
+    def _check_room(self, prompt_lengths: list[tuple]) -> None:
+        profile, length = max(prompt_lengths, key=lambda item: item[1])
+        needed = length + self.min_turn_tokens
+        if needed > self.args.max_dialogue_tokens:
+            raise common.InputError(f"--max_dialogue_tokens {self.args.max_dialogue_tokens}: profile {profile.id} "
+                                    f"needs {needed} tokens for its prompt and a short reply; raise it to at least "
+                                    f"{needed}")
 
     def _prompt(self, profile, opening: str) -> list[int]:
         args, language = self.args, self.simulator_args.language or profile.language

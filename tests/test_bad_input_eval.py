@@ -525,7 +525,7 @@ def test_a_resume_onto_rows_of_a_scenario_or_item_that_changed_since_is_refused(
         eval_sentient.finished_ids(path, made_by, simulator.load_profiles(changed), "bench2.jsonl", None)
     item = {"id": "test/a/1.json", "messages": [{"role": "user", "content": "What is 1+1?"}], "answer": "2"}
     general = write_jsonl(tmp_path / "math500.jsonl", [{"id": item["id"], "verdict": {}, "made_by": made_by,
-                                                        "input_digest": eval_general.item_digest(item)}])
+                                                        "input_digest": common.digest(item)}])
     eval_general.finished_items(general, [item], made_by)
     with pytest.raises(common.InputError, match="answered another version of it"):
         eval_general.finished_items(general, [{**item, "answer": "42"}], made_by)

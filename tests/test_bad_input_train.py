@@ -480,17 +480,22 @@ def test_a_grpo_checkpoint_whose_state_says_another_step_than_its_name_is_passed
         preflight.prepare_resume(grpo_resume_args(run, str(run / "checkpoint-20")), run / "transcripts.jsonl")
 
 
+def ppo_checkpoint(folder, step: int):
+    """A PPO checkpoint folder whose members are whole (tiny), its state holding `step`."""
+    import torch
+
+    (folder / "policy").mkdir(parents=True)
+    (folder / "policy" / "config.json").write_text("{}")
+    torch.save({"step": step}, folder / "state.pt")
+    torch.save({}, folder / "critic.pt")
+    return folder
+
+
 def test_a_ppo_checkpoint_renamed_is_not_resumed_at_its_new_name(tmp_path):
     """checkpoint-3 renamed checkpoint-9 would resume "at step 9" and skip six steps; the only checkpoint being
     that one, the resume is refused and the rows of steps 0-4 stay."""
-    import torch
-
     run = tmp_path / "run"
-    folder = run / "checkpoint-9"
-    (folder / "policy").mkdir(parents=True)
-    (folder / "policy" / "config.json").write_text("{}")
-    torch.save({"step": 3}, folder / "state.pt")
-    torch.save({}, folder / "critic.pt")
+    folder = ppo_checkpoint(run / "checkpoint-9", step=3)
     transcripts = run / "transcripts.jsonl"
     common.append_json_lines(transcripts, [{"step": step} for step in range(5)])
     common.append_json_lines(run / "metrics.jsonl", [{"step": step} for step in range(5)])
@@ -535,14 +540,8 @@ def test_a_full_disk_while_torch_saves_a_checkpoint_is_one_line_not_torchs_trace
 # --------------------------------------------------------------------------------------------
 
 def test_a_ppo_resume_whose_transcripts_were_deleted_is_refused_not_continued_without_them(tmp_path):
-    import torch
-
     run = tmp_path / "run"
-    folder = run / "checkpoint-2"
-    (folder / "policy").mkdir(parents=True)
-    (folder / "policy" / "config.json").write_text("{}")
-    torch.save({"step": 2}, folder / "state.pt")
-    torch.save({}, folder / "critic.pt")
+    folder = ppo_checkpoint(run / "checkpoint-2", step=2)
     common.append_json_lines(run / "metrics.jsonl", [{"step": 0}, {"step": 1}])
     accelerator = types.SimpleNamespace(print=print, is_main_process=True)
     with pytest.raises(common.InputError, match=r"hold no rows of steps 0, 1, which its checkpoint at step 2 "
