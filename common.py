@@ -981,8 +981,9 @@ class ChatClient:
 
     def __init__(self, base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY",
                  temperature: float | None = None, max_tokens: int | None = None, timeout: float = 120.0,
-                 max_retries: int = 3, role: str = "simulator", whole_answers: bool = False):
-        """`temperature`, `max_tokens`: sent when not None (else the server's own). `whole_answers`: an answer
+                 max_retries: int = 3, role: str = "simulator", whole_answers: bool = False,
+                 top_p: float | None = None):
+        """`temperature`, `top_p`, `max_tokens`: sent when not None (else the server's own). `whole_answers`: an answer
         cut at max_tokens (finish_reason "length") is a failed call, never an answer: a simulated user's
         reply cut before its `Response:` would otherwise become the user's whole message."""
         import openai
@@ -999,7 +1000,8 @@ class ChatClient:
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries,
                                          http_client=http_client)
         self.base_url, self.model, self.role = base_url, model, role  # role names the endpoint in errors
-        self.temperature, self.max_tokens, self.whole_answers = temperature, max_tokens, whole_answers
+        self.temperature, self.top_p, self.max_tokens = temperature, top_p, max_tokens
+        self.whole_answers = whole_answers
         self.timeout, self.max_retries = timeout, max_retries
         self.totals = CallStats()
         self.retry_said_at = -math.inf  # when a retry was last said (time.monotonic)
@@ -1060,7 +1062,8 @@ class ChatClient:
         token = _CURRENT_CALL.set(call)
         notice = asyncio.get_running_loop().call_later(WAIT_NOTICE_AFTER, self._say_waiting)
         try:
-            settings = {"temperature": self.temperature, "max_tokens": self.max_tokens, "seed": seed}
+            settings = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
+                        "seed": seed}
             response = await self.client.chat.completions.create(
                 model=self.model, messages=messages,
                 **{name: value for name, value in settings.items() if value is not None})

@@ -114,7 +114,7 @@ class GeneralEvalArguments:
     livecodebench_start_date: str | None = field(default=None, metadata={"help": "first contest date kept, YYYY-MM-DD"})
     livecodebench_end_date: str | None = field(default=None, metadata={"help": "last contest date kept, YYYY-MM-DD"})
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature; 0 = greedy"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling of a local model (temperature > 0)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (temperature > 0), also sent to an endpoint"})
     max_new_tokens: int | None = field(default=None, metadata={
         "help": "response budget for every task, thinking included (default: TASK_MAX_NEW_TOKENS per task)"})
     batch_size: int = field(default=16, metadata={"help": "prompts generated at once (endpoints: requests in flight)"})
@@ -568,7 +568,8 @@ class EndpointBackend:
     async def _complete(self, conversations, max_new_tokens, seed):
         if self.client is None:  # created on the loop that will use its connections
             self.client = common.ChatClient(self.args.model_base_url, self.args.model, self.args.model_api_key_env,
-                                            temperature=self.args.temperature, timeout=self.args.model_timeout,
+                                            temperature=self.args.temperature, top_p=self.args.top_p,
+                                            timeout=self.args.model_timeout,
                                             max_retries=self.args.model_max_retries, role="tested-model")
             await self.client.check()
         self.client.max_tokens = max_new_tokens

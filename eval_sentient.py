@@ -80,7 +80,7 @@ class EvalArguments:
     max_dialogue_tokens: int = field(default=4096, metadata={
         "help": "prompt + completion tokens per dialogue (local models)"})
     temperature: float = field(default=0.7, metadata={"help": "sampling temperature of the tested model"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling of a local model (temperature > 0)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling (temperature > 0), also sent to an endpoint"})
     seed: int = field(default=0, metadata={
         "help": "sampling seed: the same seed and simulator outputs give the same rows"})
     batch_size: int = field(default=16, metadata={
@@ -329,7 +329,7 @@ async def play_endpoint(args, simulator_args, chat, profiles, done: set, output:
     model sees the system prompt and the dialogue's messages, never its own earlier thinking."""
     made_by = run_record(args, simulator_args)
     client = common.ChatClient(args.model_base_url, args.model, args.model_api_key_env,
-                               temperature=args.temperature, timeout=args.model_timeout,
+                               temperature=args.temperature, top_p=args.top_p, timeout=args.model_timeout,
                                max_retries=args.model_max_retries,
                                max_tokens=args.max_reply_tokens + (args.max_think_tokens if args.think else 0),
                                role="tested-model")

@@ -527,18 +527,25 @@ def load_generator(args, folder: str, tokenizer):
     engine with --use_vllm (the transformers model is never loaded then: the engine wants its share of
     the GPU), else transformers, on the GPU if there is one. Both sample from torch's RNG state, which
     the callers seed per batch."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     if args.use_vllm:
         return VLLMEngineGenerator(folder, args.temperature, args.top_p, args.seed)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     if torch.cuda.is_available():
         model.to("cuda")
+    return TransformersGenerator(model, tokenizer, sampling_config(args, tokenizer))
+
+
+def sampling_config(args, tokenizer):
+    """transformers' GenerationConfig for an evaluation's --temperature and --top_p (greedy at 0), ending at
+    the end of a turn."""
+    from transformers import GenerationConfig
+
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
         if args.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    return TransformersGenerator(model, tokenizer, GenerationConfig(
-        eos_token_id=sorted(end_of_turn_ids(tokenizer)), pad_token_id=pad_id, **sampling))
+    return GenerationConfig(eos_token_id=sorted(end_of_turn_ids(tokenizer)), pad_token_id=pad_id, **sampling)
 
 
 def trainer_max_model_len(trainer) -> int:

@@ -215,6 +215,16 @@ def turn_terms(turn_changes: list[list[int]], failed: list[bool], group_size: in
     return terms
 
 
+def ranks_turn_terms(rows: list[dict], rank: int, group_size: int, credit, change_bound: int) -> tuple[list, list]:
+    """(this rank's rows' turn terms, every rank's): groups may span ranks, as for the outcome, so the terms are
+    computed over every rank's rows (gathered in rank order, each rank holding as many) and this rank's are taken."""
+    every = gather_object([(row["turn_changes"], row["failed"]) for row in rows])
+    terms = turn_terms([changes for changes, _ in every], [failed for _, failed in every], group_size,
+                       credit.turn_credit_baseline, credit.turn_credit_scale, change_bound)
+    first = rank * len(rows)
+    return terms[first:first + len(rows)], terms
+
+
 def token_advantages(outcome: torch.Tensor, terms: list[list[float]], token_turns: list[list[int]], width: int,
                      coef: float) -> torch.Tensor:
     """(rows, width) advantages: each row's outcome advantage on every token, plus coef x its turn's term on
@@ -272,15 +282,10 @@ class DialogueGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         batch = super()._generate_and_score_completions(inputs)
         if self.credit is not None:
-            # TRL has merged the rollout's per-row fields into `inputs`; groups may span ranks, as for the
-            # outcome, so the terms are computed over every rank's rows and this rank's are taken.
-            rows = gather_object([(row["turn_changes"], row["failed"]) for row in inputs])
-            terms = turn_terms([changes for changes, _ in rows], [failed for _, failed in rows], self.num_generations,
-                               self.credit.turn_credit_baseline, self.credit.turn_credit_scale,
-                               self.change_bound)
-            first = self.accelerator.process_index * len(inputs)
-            batch["advantages"] = token_advantages(batch["advantages"], terms[first:first + len(inputs)],
-                                                   [row["token_turns"] for row in inputs],
+            # TRL has merged the rollout's per-row fields into `inputs`.
+            own, terms = ranks_turn_terms(inputs, self.accelerator.process_index, self.num_generations, self.credit,
+                                          self.change_bound)
+            batch["advantages"] = token_advantages(batch["advantages"], own, [row["token_turns"] for row in inputs],
                                                    batch["completion_ids"].shape[1], self.credit.turn_credit_coef)
             weighted = [self.credit.turn_credit_coef * abs(term) for row_terms in terms for term in row_terms]
             mode = "train" if self.model.training else "eval"

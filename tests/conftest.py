@@ -274,6 +274,14 @@ def packaged_model():
 
 
 @pytest.fixture(scope="session")
+def tokenizer():
+    """The packaged model's tokenizer (SmolLM2's, as the tiny model's), without any weights: a fast test's."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(common.resolve_model(common.PACKAGED_MODEL))
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(packaged_model, tmp_path_factory):
     """A tiny random Llama (2 layers, width 64) on the real SmolLM2 tokenizer: fast, untrained."""
     import torch

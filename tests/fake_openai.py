@@ -19,7 +19,7 @@ class FakeOpenAIServer:
     {"raw": text, "content_type": ...} a 200 whose body is that text (not OpenAI's JSON; also `models_raw`
     for the model listing), {"choices": []} a completion without choices, {"text": ..., "finish_reason": "length"}
     an answer cut at the request's max_tokens. Every request body is kept in
-    `requests`. Answers report token usage as a server does, counting whitespace-separated words (`usage_of`)."""
+    `requests`, and the model listings answered are counted in `listings`. Answers report token usage as a server does, counting whitespace-separated words (`usage_of`)."""
 
     def __init__(self, script=(), models=("sim-model",), default=None, respond=None, models_raw=None):
         self.respond = respond  # called with each request body once the script is used up: an entry as above
@@ -28,6 +28,7 @@ class FakeOpenAIServer:
         self.models_raw = models_raw  # a (text, content type) answer to the model listing instead of the list
         self.default = default  # answer once the script is used up (None: fail the test loudly)
         self.requests = []
+        self.listings = 0
         self._lock = threading.Lock()
         server = self
 
@@ -48,6 +49,9 @@ class FakeOpenAIServer:
                     self.close_connection = True
 
             def do_GET(self):
+                if self.path.rstrip("/").endswith("/models"):
+                    with server._lock:
+                        server.listings += 1
                 if self.path.rstrip("/").endswith("/models") and server.models_raw:
                     self._send(200, None, raw=server.models_raw[0], content_type=server.models_raw[1])
                 elif self.path.rstrip("/").endswith("/models"):

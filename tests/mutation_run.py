@@ -4,6 +4,7 @@
     python tests/mutation_run.py --only ppo_losses,masked_gae --workers 2
     python tests/mutation_run.py --list          # the mutants, without running anything
     python tests/mutation_run.py --everywhere --sample 240   # a seeded sample over every function of every file
+    python tests/mutation_run.py --written set.jsonl --full  # bugs written by hand, against the whole suite
 
 Each mutant is one small change in one target function, of the kinds that make RL code wrong without
 crashing it: a comparison moved by one (`<` -> `<=`), an operator swapped (`+` -> `-`, `*` -> `/`), `max` ->
@@ -14,6 +15,11 @@ repository, the unit tests of that file run there (`pytest -x`, TESTS_OF_FILE), 
 fail or time out.
 A survivor is either a missing test or an equivalent mutant (one that cannot change behaviour): list it in
 docs/testing.md with the reason.
+
+--written takes bugs written by someone who has not read the tests, one JSON line each: {"id", "file", "old", "new"}
+(`old` found exactly once in `file`, replaced by `new`). Each runs against the fast subset (`-m "not slow"`,
+`-n 2`, stopping at the first failure); with --full, a survivor then meets the slow tests too, so that the
+two figures are the fast subset's and the whole suite's.
 """
 import argparse
 import ast
@@ -210,6 +216,57 @@ def run_tests(copy: Path, tests: list[str], timeout: float) -> tuple[bool, float
     return passed, time.perf_counter() - started
 
 
+def copy_of_repository(folder: Path) -> Path:
+    """The tracked files and the untracked ones git does not ignore, copied into `folder`."""
+    names = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\n")
+    for name in filter(None, names):
+        if (REPO / name).is_file():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, folder / name)
+    return folder
+
+
+def run_written(path: str, full: bool, out: str) -> None:
+    """Each written mutant against the fast subset, then (full) a survivor against the slow tests."""
+    mutants = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    for mutant in mutants:
+        found = (REPO / mutant["file"]).read_text().count(mutant["old"])
+        if found != 1:
+            raise SystemExit(f"{mutant['id']}: its old text is found {found} times in {mutant['file']}, not once")
+    scratch = Path(tempfile.mkdtemp(prefix="written-"))
+    copy = copy_of_repository(scratch / "copy")
+    stages = [("fast", ["-n", "2", "-m", "not slow"])] + ([("slow", ["-n", "2", "-m", "slow"])] if full else [])
+    killed = {"fast": 0, "slow": 0}
+    started = time.perf_counter()
+    try:
+        for mutant in mutants:
+            original = (REPO / mutant["file"]).read_text()
+            (copy / mutant["file"]).write_text(original.replace(mutant["old"], mutant["new"]))
+            row = {"id": mutant["id"], "file": mutant["file"]}
+            try:
+                for name, selection in stages:
+                    passed, seconds = run_tests(copy, selection, timeout=1800)
+                    row[name] = {"killed": not passed, "seconds": round(seconds, 1)}
+                    if not passed:
+                        break
+            finally:
+                (copy / mutant["file"]).write_text(original)
+            first_kill = next((name for name, _ in stages if row.get(name, {}).get("killed")), None)
+            killed["fast"] += first_kill == "fast"
+            killed["slow"] += first_kill is not None  # the whole suite: what the fast subset or the slow tests kill
+            print(f"{'killed by ' + first_kill if first_kill else 'SURVIVED':16} {mutant['id']} {mutant['file']}: "
+                  f"{mutant.get('why', '')}", flush=True)
+            with open(out, "a", encoding="utf-8") as rows:
+                rows.write(json.dumps(row) + "\n")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    minutes = (time.perf_counter() - started) / 60
+    print(f"\nfast subset: {killed['fast']} of {len(mutants)} killed ({100 * killed['fast'] / len(mutants):.1f}%)"
+          + (f"; whole suite: {killed['slow']} ({100 * killed['slow'] / len(mutants):.1f}%)" if full else "")
+          + f"; {minutes:.1f} min; rows in {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="comma-separated target names (function or Class.method)")
@@ -221,7 +278,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the sample's seed")
     parser.add_argument("--out", default="runs/mutation.json",
                         help="results, one JSON line per mutant as it finishes (a new file)")
+    parser.add_argument("--written", help="a JSON-lines file of mutants written by hand (see above)")
+    parser.add_argument("--full", action="store_true", help="with --written: survivors of the fast subset meet "
+                                                            "the slow tests too")
     args = parser.parse_args()
+    if Path(args.out).exists():
+        parser.error(f"--out {args.out} exists: choose a new file (results are never overwritten)")
+    if args.written:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        return run_written(args.written, args.full, args.out)
     only = set(filter(None, args.only.split(",")))
     chosen = [(file, "*") for file in TESTS_OF_FILE] if args.everywhere else TARGETS
     targets = [(file, target, [*UNIT, *TESTS_OF_FILE[file]]) for file, target in chosen
@@ -238,18 +303,9 @@ def main() -> None:
             print(f"{file}:{target} #{index} {description}")
         print(f"{len(work)} mutants")
         return
-    if Path(args.out).exists():
-        parser.error(f"--out {args.out} exists: choose a new file (results are never overwritten)")
 
     scratch = Path(tempfile.mkdtemp(prefix="mutation-"))
-    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    copies = []
-    for worker in range(args.workers):
-        copy = scratch / f"copy{worker}"
-        for name in tracked:
-            (copy / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, copy / name)
-        copies.append(copy)
+    copies = [copy_of_repository(scratch / f"copy{worker}") for worker in range(args.workers)]
     baseline = {}
     targets = [(file, target, tests) for file, target, tests in targets if any(w[:2] == (file, target) for w in work)]
     for file, target, tests in targets:  # the unmutated code must pass, and sets each target's time limit

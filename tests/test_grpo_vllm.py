@@ -227,6 +227,7 @@ import sys
 from datetime import timedelta
 from types import SimpleNamespace
 
+import deepspeed.comm.torch
 import torch
 from accelerate import Accelerator, InitProcessGroupKwargs
 from accelerate.state import PartialState
@@ -245,6 +246,7 @@ def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
 
 
 PartialState._prepare_backend = prepare_backend
+deepspeed.comm.torch.build_shm_op = lambda: None  # CPU-only, compiled at first use (tests/test_ppo_gpu_paths.py)
 model_dir, output = sys.argv[1], sys.argv[2]
 config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
           "zero_allow_untested_optimizer": True}

@@ -19,13 +19,6 @@ TRAINERS = {"grpo": lambda argv: train_grpo.parse_arguments(argv)[:2],
             "ppo": lambda argv: train_ppo.parse_arguments(argv)[1:3]}
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 @pytest.fixture(params=sorted(TRAINERS))
 def parse(request):
     """(dialogue arguments, simulator arguments) from a command line, as the trainer parses it."""

@@ -219,6 +219,7 @@ import os
 import runpy
 import sys
 
+import deepspeed.comm.torch
 from accelerate.state import PartialState
 
 find_backend = PartialState._prepare_backend
@@ -230,6 +231,9 @@ def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
 
 
 PartialState._prepare_backend = prepare_backend
+# DeepSpeed's shared-memory all-reduce exists for CPUs only (a GPU run never builds it) and is compiled at its first
+# use, a minute or more; the rehearsal's collectives go through gloo without it.
+deepspeed.comm.torch.build_shm_op = lambda: None
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -55,6 +55,7 @@ class State:
         self.stats = defaultdict(int)
         self.corrupt = set()
         self.latency, self.delays, self.update_seconds = 0.0, random.Random(0), 0.0
+        self.requests = []  # (method, path, body) of every request, for a test running the server in-process
 
     def log(self, event, **fields):
         with self.lock, open(self.log_path, "a") as out:
@@ -76,6 +77,7 @@ def make_handler(state: State):
 
         def do_GET(self):
             path = self.path.split("?")[0]
+            state.requests.append(("GET", path, None))
             if path == "/health":
                 return self.reply(200, {})
             if path == "/v1/models":
@@ -92,6 +94,7 @@ def make_handler(state: State):
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
             path = self.path.split("?")[0]
+            state.requests.append(("POST", path, body))
             if path == "/v1/completions":
                 return self.completions(body)
             if path == "/init_weight_transfer_engine":
