@@ -58,6 +58,7 @@ def test_the_best_policy_a_black_box_search_finds_ends_at_or_below_the_start_and
         assert max(values[("benchmark", variant)]) < simulator.MAX_EMOTION, (variant, best)
 
 
+@pytest.mark.slow  # a measurement over many dialogues or sentences, or a process of its own
 @pytest.mark.parametrize("path", INDEPENDENT_REPLIES, ids=lambda path: path.name)
 @pytest.mark.parametrize("variant, mean_change", [("vanilla", 5), ("challenging", 3)])
 def test_independently_written_good_replies_gain_and_never_lose_to_a_neutral_one(path, variant, mean_change):

@@ -10,6 +10,7 @@ import common
 import simulator
 
 
+@pytest.mark.slow  # a measurement over every probe
 @pytest.mark.parametrize("variant", ["vanilla", "challenging"])
 def test_no_probe_beats_a_neutral_reply_with_the_rule_user(variant):
     profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES)

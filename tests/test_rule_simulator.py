@@ -192,6 +192,7 @@ def test_a_profile_without_own_words_is_a_clear_error():
         RuleSimulator(profile, **user_options())
 
 
+@pytest.mark.slow  # a measurement over many dialogues or sentences, or a process of its own
 def test_on_all_our_profiles_bad_styles_fall_below_the_start_and_the_warm_template_stays_low():
     # The good reference is blind players' dialogues (tests/test_live_play.py); reply_styles.py's "warm" style
     # is a template (stock sentences with the user's words slotted in), which the rules mean to pay little: it

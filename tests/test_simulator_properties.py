@@ -294,6 +294,7 @@ print(json.dumps(asyncio.run(play())))
 """
 
 
+@pytest.mark.slow  # a measurement over many dialogues or sentences, or a process of its own
 def test_a_rule_dialogue_is_the_same_in_another_process_with_another_hash_seed(make_profile):
     # Python salts hash() per process: the user's choice among phrasings must not depend on it.
     import json
