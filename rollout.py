@@ -296,9 +296,14 @@ class DialogueRunner:
 
     def openings(self, profiles) -> dict[str, str]:
         """Each profile's opening line, made once (first_talk, or the simulator's own opening), so the
-        dialogues of a group share it."""
+        dialogues of a group share it; at most simulator_concurrency asked at once, as the dialogues' turns."""
         async def open_all():
-            return await asyncio.gather(*(self.new_simulator(p).open() for p in profiles))
+            gate = asyncio.Semaphore(self.args.simulator_concurrency)
+
+            async def open_one(profile):
+                async with gate:
+                    return await self.new_simulator(profile).open()
+            return await asyncio.gather(*(open_one(p) for p in profiles))
         return dict(zip((p.id for p in profiles), self.loop.run_until_complete(open_all())))
 
     def run(self, starts: list[tuple], generate, shared: list[tuple[int, int]] | None = None) -> list[Dialogue]:

@@ -19,7 +19,8 @@ class FakeOpenAIServer:
     {"raw": text, "content_type": ...} a 200 whose body is that text (not OpenAI's JSON; also `models_raw`
     for the model listing), {"choices": []} a completion without choices, {"text": ..., "finish_reason": "length"}
     an answer cut at the request's max_tokens. Every request body is kept in
-    `requests`, and the model listings answered are counted in `listings`. Answers report token usage as a server does, counting whitespace-separated words (`usage_of`)."""
+    `requests` (its Authorization header in `keys`), the model listings answered are counted in `listings`, and
+    the most chat requests in flight at once is `most_at_once`. Answers report token usage as a server does, counting whitespace-separated words (`usage_of`)."""
 
     def __init__(self, script=(), models=("sim-model",), default=None, respond=None, models_raw=None):
         self.respond = respond  # called with each request body once the script is used up: an entry as above
@@ -27,8 +28,8 @@ class FakeOpenAIServer:
         self.models = list(models)
         self.models_raw = models_raw  # a (text, content type) answer to the model listing instead of the list
         self.default = default  # answer once the script is used up (None: fail the test loudly)
-        self.requests = []
-        self.listings = 0
+        self.requests, self.keys = [], []
+        self.listings = self.in_flight = self.most_at_once = 0
         self._lock = threading.Lock()
         server = self
 
@@ -63,6 +64,17 @@ class FakeOpenAIServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server._lock:
                     server.requests.append(body)
+                    server.keys.append(self.headers.get("Authorization"))
+                    server.in_flight += 1
+                    server.most_at_once = max(server.most_at_once, server.in_flight)
+                try:
+                    self._answer(body)
+                finally:
+                    with server._lock:
+                        server.in_flight -= 1
+
+            def _answer(self, body):
+                with server._lock:
                     entry = server.script.pop(0) if server.script else (
                         server.respond(body) if server.respond else server.default)
                 if isinstance(entry, dict) and "hang" in entry:

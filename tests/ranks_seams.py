@@ -19,6 +19,7 @@ from accelerate import Accelerator, InitProcessGroupKwargs  # noqa: E402
 
 import common  # noqa: E402
 import generation  # noqa: E402
+import preflight  # noqa: E402
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 import train_ppo  # noqa: E402
@@ -132,6 +133,18 @@ def ppo_step_profiles():
 def ppo_seeds_and_files():
     train_ppo.seed_everything(5, rank)
     return {"torch": torch.rand(2).tolist(), "files": [str(p) for p in train_ppo.run_files(Path("out"), accelerator)]}
+
+
+@check
+def ppo_launch_checks():
+    said = []
+    for use_vllm in (False, True):  # PPO's vLLM push is from one process
+        try:
+            preflight.check_launch(SimpleNamespace(use_vllm=use_vllm), accelerator)
+            said.append("runs")
+        except SystemExit as refused:
+            said.append(str(refused.code))
+    return said
 
 
 (out_dir / f"rank{rank}.json").write_text(json.dumps(results))

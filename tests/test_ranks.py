@@ -151,3 +151,9 @@ def test_each_rank_has_its_own_torch_seed_and_transcripts_file_and_one_metrics_f
     assert rank1["torch"] == pytest.approx(torch.rand(2).tolist()) and rank0["torch"] != rank1["torch"]
     assert rank0["files"] == ["out/transcripts.rank0.jsonl", "out/metrics.jsonl"]
     assert rank1["files"] == ["out/transcripts.rank1.jsonl", "out/metrics.jsonl"]
+
+
+def test_a_launch_ppo_cannot_run_is_refused_on_every_rank_and_said_once(ranks):
+    rank0, rank1 = both(ranks, "ppo_launch_checks")
+    assert rank0[0] == rank1[0] == "runs"
+    assert "supports a single training process" in rank0[1] and rank1[1] == "1"

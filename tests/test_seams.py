@@ -438,3 +438,86 @@ def test_batch_wait_decides_how_many_waiting_turns_share_a_call(wait, expected):
         await asyncio.gather(batcher.serve(), *(dialogue(i) for i in range(3)), slow_dialogue())
     asyncio.run(play())
     assert calls == expected
+
+
+# --------------------------------------------------------------------------------------------
+# What else a request carries: its key, and how many are in flight at once
+# --------------------------------------------------------------------------------------------
+
+def test_each_endpoint_gets_the_key_its_own_variable_names(monkeypatch):
+    """--api_key_env for the simulator, --model_api_key_env for the tested model, each its own variable;
+    OPENAI_API_KEY when neither is named."""
+    monkeypatch.setenv("SIM_KEY", "simulator-secret")
+    monkeypatch.setenv("MODEL_KEY", "model-secret")
+    monkeypatch.setenv("OPENAI_API_KEY", "default-secret")
+    message = [{"role": "user", "content": "hi"}]
+    with FakeOpenAIServer(models=("sim-model", "served"), default="Fine.") as server:
+        for key_flags in (["--api_key_env", "SIM_KEY"], []):
+            _, simulator_args = TRAINERS["ppo"](flags(backend="llm", base_url=server.base_url,
+                                                      simulator_model="sim-model") + key_flags)
+            asyncio.run(simulator.make_chat(simulator_args).complete(message))
+        for key_flags in (["--model_api_key_env", "MODEL_KEY"], []):
+            args = general_arguments(flags(model="served", model_base_url=server.base_url) + key_flags)
+            eval_general.make_backend(args)([message], 5, seed=0)
+    assert server.keys == ["Bearer simulator-secret", "Bearer default-secret", "Bearer model-secret",
+                           "Bearer default-secret"]
+
+
+@pytest.mark.parametrize("concurrency", [2, 5])
+def test_at_most_simulator_concurrency_users_call_their_endpoint_at_once(concurrency, tokenizer):
+    """Five dialogues whose users answer after 0.1 s: at most --simulator_concurrency requests in flight, their
+    openings as their turns."""
+    def generate(contexts, budgets, stop=None):
+        reply = tokenizer("I hear you.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return [reply[:budget] for budget in budgets], None
+
+    with FakeOpenAIServer(respond=lambda body: {"hang": 0.1, "text": simulated_user(body)}) as server:
+        dialogue_args, simulator_args = TRAINERS["grpo"](flags(
+            backend="llm", base_url=server.base_url, simulator_model="sim-model", max_turns=1,
+            simulator_concurrency=concurrency))
+        runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, simulator.make_chat(simulator_args))
+        profiles = simulator.load_profiles(dialogue_args.profiles)[:5]
+        openings = runner.openings(profiles)
+        runner.run([(profile, openings[profile.id]) for profile in profiles], generate)
+        runner.close()
+    assert server.most_at_once == concurrency
+
+
+# --------------------------------------------------------------------------------------------
+# More checks both ways
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world, local", [(1, 1), (4, 4), (4, 2)])
+def test_an_address_naming_this_machine_is_refused_on_several_nodes_only(world, local, monkeypatch):
+    from preflight import check_addresses_on_several_nodes
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    here = simulator.SimulatorArguments(backend="llm", simulator_model="m", base_url="http://localhost:8001/v1")
+    there = simulator.SimulatorArguments(backend="llm", simulator_model="m", base_url="http://simhost:8001/v1")
+    check_addresses_on_several_nodes(there, "http://vllmhost:8000")
+    for simulator_args, server in ((here, None), (there, "http://127.0.0.1:8000")):
+        if world > local:
+            with pytest.raises(common.InputError, match="names each node itself|named as each node itself"):
+                check_addresses_on_several_nodes(simulator_args, server)
+        else:
+            check_addresses_on_several_nodes(simulator_args, server)
+
+
+def test_chinese_is_refused_by_the_rule_user_and_played_by_an_llm_user(make_profile):
+    endpoint = dict(backend="llm", simulator_model="m", base_url="http://127.0.0.1:9/v1")
+    with pytest.raises(simulator.SimulatorError, match="English cues only"):
+        simulator.check_backend([make_profile()], simulator.SimulatorArguments(language="zh"))
+    simulator.check_backend([make_profile()], simulator.SimulatorArguments(language="zh", **endpoint))
+    simulator.check_backend([make_profile()], simulator.SimulatorArguments())
+
+
+def test_rows_made_with_a_setting_this_run_lacks_or_adds_are_refused(tmp_path):
+    """Both ways, and a setting one side lacks counts as differing: a served model's rows (served: true) are not a
+    local model's of the same name."""
+    made_by = {"model": "m", "seed": 1}
+    common.check_made_by(tmp_path / "rows.jsonl", [{"made_by": dict(made_by)}], made_by)
+    for theirs, ours in ((made_by | {"served": True}, made_by), (made_by, made_by | {"served": True}),
+                         (made_by, made_by | {"seed": 2})):
+        with pytest.raises(common.InputError, match="served|seed"):
+            common.check_made_by(tmp_path / "rows.jsonl", [{"made_by": theirs}], ours)
