@@ -87,7 +87,7 @@ ENDPOINT_GENERAL = f"{SELF}::test_a_general_run_against_an_endpoint_takes_every_
 LIVECODEBENCH = "test_eval_general::test_livecodebench_date_window_and_release_files"
 SENTIENT_FLAGS = {
     "model": [ENDPOINT_SENTIENT], "model_base_url": [ENDPOINT_SENTIENT], "model_api_key_env": [ENDPOINT_SENTIENT],
-    "model_timeout": [f"{SEAMS}::test_the_sentient_benchmarks_requests_carry_its_sampling_flags_and_a_seed_per_scenario"],
+    "model_timeout": ["test_bad_input_eval::test_a_tested_model_endpoint_that_never_answers_fails_within_its_bound_and_says_it_waits"],
     "model_max_retries": [f"{SEAMS}::test_the_tested_model_is_tried_once_more_than_model_max_retries"],
     "use_vllm": [f"{SEAMS}::test_an_evaluations_sampling_flags_reach_the_vllm_engine_and_transformers",
                  "test_eval_vllm::test_the_sentient_command_line_passes_top_p_and_each_context_gets_its_own_completion"],

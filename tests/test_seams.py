@@ -521,3 +521,35 @@ def test_rows_made_with_a_setting_this_run_lacks_or_adds_are_refused(tmp_path):
                          (made_by, made_by | {"seed": 2})):
         with pytest.raises(common.InputError, match="served|seed"):
             common.check_made_by(tmp_path / "rows.jsonl", [{"made_by": theirs}], ours)
+
+
+@pytest.mark.parametrize("schedule", ["async", "lockstep"])
+def test_ppos_rollout_pushes_the_weights_then_samples_the_step_with_its_seed(schedule):
+    """With a vLLM server: the policy's weights pushed first, then (async) a request per turn seeded by the run's
+    seed and this step, or (lockstep) the server itself."""
+    done = []
+    server = SimpleNamespace(push_weights=lambda policy: done.append(("push", policy)),
+                             turns=lambda seed, step, rank: done.append(("turns", seed, step, rank)) or "turns")
+    args = train_ppo.parse_arguments(flags(seed=11, rollout=schedule))
+    generate = train_ppo.policy_generator(server, "policy", None, args[0], args[1], step=7)
+    if schedule == "async":
+        assert done == [("push", "policy"), ("turns", 11, 7, 0)] and generate == "turns"
+    else:
+        assert done == [("push", "policy")] and generate is server
+
+
+def test_ppos_transformers_rollout_samples_at_its_temperature_with_the_prefix_cache_flag(tokenizer):
+    for prefix_cache, temperature in ((["--prefix_cache", "false"], 0.65), ([], 0.9)):
+        args = train_ppo.parse_arguments(flags(temperature=temperature) + prefix_cache)
+        generate = train_ppo.policy_generator(None, "policy", tokenizer, args[0], args[1], step=0)  # never called
+        config = generate.generation_config
+        assert (config.do_sample, config.temperature, config.top_k, config.top_p) == (True, temperature, 0, 1.0)
+        assert (generate.prefix_cache is None) == bool(prefix_cache)
+
+
+
+@pytest.mark.parametrize("word, resumes", [("false", None), ("False", None), ("None", None), ("NONE", None),
+                                           ("true", "true"), ("runs/x/checkpoint-3", "runs/x/checkpoint-3")])
+def test_grpos_resume_flag_reads_false_and_none_in_any_case_as_a_new_run(word, resumes):
+    training_args = train_grpo.parse_arguments(["--resume_from_checkpoint", word])[3]
+    assert training_args.resume_from_checkpoint == resumes
