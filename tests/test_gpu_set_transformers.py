@@ -41,26 +41,41 @@ def overlay(version: str) -> Path:
     return folder
 
 
-def test_the_generators_prefix_cache_works_on_the_gpu_sets_transformers(packaged_model):
+# The tests rerun under the GPU set's transformers, in one pytest process (one start-up of torch and the model
+# fixtures, not two): the generator's prefix cache, and the rule user's encoder and replayed blind dialogues.
+RERUN = {"tests/test_rollout.py": ["cached_prefix", "prefix_cache_match"],
+         "tests/test_act_reader.py": ["traced_encoder"],
+         "tests/test_live_play.py": ["replays_as_its_player_saw", "recorded_emotions"]}
+
+
+@pytest.fixture(scope="module")
+def rerun(packaged_model) -> str:
+    """The verbose output of RERUN's tests under the GPU set's transformers (checked to be that version)."""
     version = gpu_set_transformers()
     env = {**os.environ, "PYTHONPATH": str(overlay(version))}
     probe = subprocess.run([sys.executable, "-c", "import transformers; print(transformers.__version__)"],
                            capture_output=True, text=True, env=env, cwd=REPO)
     assert probe.stdout.strip() == version, probe.stderr[-1000:]
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_rollout.py",
-                            "-k", "cached_prefix or prefix_cache_match"],
-                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    assert tests.returncode == 0 and "2 passed" in tests.stdout, tests.stdout[-3000:]
+    selection = " or ".join(name for names in RERUN.values() for name in names)
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *RERUN, "-k", selection],
+                           capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert tests.returncode == 0 and "7 passed" in tests.stdout, tests.stdout[-3000:]
+    return tests.stdout
 
 
-def test_the_rule_user_reads_and_judges_the_same_on_the_gpu_sets_transformers(packaged_model):
+def passed(output: str, file: str, names: list[str]) -> int:
+    return sum(line.startswith(file) and "PASSED" in line and any(name in line for name in names)
+               for line in output.splitlines())
+
+
+def test_the_generators_prefix_cache_works_on_the_gpu_sets_transformers(rerun):
+    assert passed(rerun, "tests/test_rollout.py", RERUN["tests/test_rollout.py"]) == 2
+
+
+def test_the_rule_user_reads_and_judges_the_same_on_the_gpu_sets_transformers(rerun):
     """The rule user's encoder is BertModel's modules driven by rule_user.token_states: under the GPU set's
     transformers the traced encoder must still give BertModel's own states bit for bit, and every measured blind
     dialogue must replay to the messages and emotions its player saw (so a run on a GPU machine with the rule
     backend is judged as the docs' figures were)."""
-    env = {**os.environ, "PYTHONPATH": str(overlay(gpu_set_transformers()))}
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_act_reader.py",
-                            "tests/test_live_play.py", "-k",
-                            "traced_encoder or replays_as_its_player_saw or recorded_emotions"],
-                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    assert tests.returncode == 0 and "5 passed" in tests.stdout, tests.stdout[-3000:]
+    assert passed(rerun, "tests/test_act_reader.py", RERUN["tests/test_act_reader.py"]) + passed(
+        rerun, "tests/test_live_play.py", RERUN["tests/test_live_play.py"]) == 5

@@ -619,11 +619,10 @@ def test_the_rollout_benchmark_checks_its_options_before_it_loads_anything(argv,
     assert stopped.value.code in (1, 2) and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("think", [False, True])
-def test_a_turn_group_plays_its_first_dialogues_replies_once_untrained_and_parts_at_its_turn(tiny, think):
-    model, tokenizer = tiny
+def check_turn_group(tokenizer, generate, think):
+    """Two groups of 3 dialogues, parting at their third and second turns, played by `generate`."""
     starts, _ = starts_for(tokenizer, profiles(2), copies=3)
-    recording = Recording(sampling_generator(model, tokenizer))
+    recording = Recording(generate)
     shared = [(0, 2)] * 3 + [(3, 1)] * 3  # the first group parts at its third turn, the second at its second
     runner = DialogueRunner(tokenizer, roomy_args(think=think, max_turns=3, max_think_tokens=6, max_reply_tokens=10))
     try:
@@ -643,3 +642,31 @@ def test_a_turn_group_plays_its_first_dialogues_replies_once_untrained_and_parts
             assert set(trained) == set(range(parted, len(dialogue.turn_ids)))
             assert sum(dialogue.env_mask) == sum(len(ids) for ids in dialogue.turn_ids[parted:])
     assert len({d.reply_texts[2] for d in dialogues[:3]}) > 1  # parted: its own samples from there
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_a_turn_group_plays_its_first_dialogues_replies_once_untrained_and_parts_at_its_turn(tiny, think):
+    model, tokenizer = tiny
+    check_turn_group(tokenizer, sampling_generator(model, tokenizer), think)
+
+
+def numbered_turns(tokenizer):
+    """A stand-in policy whose every sampled row is new ("Reply number N.", N counting rows; a thought that
+    closes), for the fast subset."""
+    import itertools
+
+    count = itertools.count()
+
+    def generate(contexts, budgets, stop=None):
+        rows = []
+        for budget in budgets:
+            text = f"Thought {next(count)}</think>" if stop else f"Reply number {next(count)}."
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + ([] if stop else [tokenizer.eos_token_id])
+            rows.append(ids[:budget])
+        return rows, None
+    return generate
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_a_turn_group_shares_and_parts_with_a_stand_in_policy(tokenizer, think):
+    check_turn_group(tokenizer, numbered_turns(tokenizer), think)
