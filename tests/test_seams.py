@@ -553,3 +553,13 @@ def test_ppos_transformers_rollout_samples_at_its_temperature_with_the_prefix_ca
 def test_grpos_resume_flag_reads_false_and_none_in_any_case_as_a_new_run(word, resumes):
     training_args = train_grpo.parse_arguments(["--resume_from_checkpoint", word])[3]
     assert training_args.resume_from_checkpoint == resumes
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+def test_a_simulator_temperature_of_zero_is_sent_as_zero(temperature):
+    """0 is a value (greedy, reproducible users), not "unset": it reaches the request as given."""
+    with FakeOpenAIServer(default="Fine.") as server:
+        _, simulator_args = TRAINERS["grpo"](flags(backend="llm", base_url=server.base_url, simulator_model="sim-model",
+                                                   simulator_temperature=temperature))
+        asyncio.run(simulator.make_chat(simulator_args).complete([{"role": "user", "content": "hi"}]))
+    assert server.requests[0]["temperature"] == temperature
