@@ -563,3 +563,17 @@ def test_a_simulator_temperature_of_zero_is_sent_as_zero(temperature):
                                                    simulator_temperature=temperature))
         asyncio.run(simulator.make_chat(simulator_args).complete([{"role": "user", "content": "hi"}]))
     assert server.requests[0]["temperature"] == temperature
+
+
+def test_a_resumed_launch_keeps_the_runs_recorded_interruptions_and_takes_the_marker_over(tmp_path):
+    """mark_run_folder on a resume: the interruptions the run recorded stay, the launch id is the new launch's."""
+    folder = tmp_path / "run"
+    common.mark_run_folder(folder, "train_ppo.py", "m", {"seed": 1})  # the first launch (this process holds it)
+    common.note_output(folder / common.RUN_MARKER)
+    common.note_interruption(folder, 2, folder / "checkpoint-3", "resume")
+    launch = json.loads((folder / common.RUN_MARKER).read_text())["launch"]
+    common.mark_run_folder(folder, "train_ppo.py", "m", {"seed": 1})
+    made = json.loads((folder / common.RUN_MARKER).read_text())
+    assert made["interrupted"] == [{"after_step": 2, "checkpoint": str(folder / "checkpoint-3")}]
+    assert made["launch"] != launch and (made["script"], made["model"], made["settings"]) == ("train_ppo.py", "m",
+                                                                                                 {"seed": 1})
