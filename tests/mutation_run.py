@@ -207,6 +207,9 @@ def run_tests(copy: Path, tests: list[str], timeout: float) -> tuple[bool, float
     started = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
            "RLVER_CACHE": os.environ.get("RLVER_CACHE") or str(REPO / "cache")}
+    for name in ("RLVER_OFFICIAL_REPO", "RLVER_OFFICIAL_DATA"):  # the copy runs in another folder: a relative
+        if env.get(name):  # path would miss there, and the tests that need it would be skipped without a word
+            env[name] = os.path.abspath(env[name])
     try:
         finished = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
                                   cwd=copy, capture_output=True, text=True, timeout=timeout, env=env)
