@@ -136,6 +136,17 @@ def ppo_seeds_and_files():
 
 
 @check
+def ppo_step_dialogues():
+    def played(dialogue_id, emotion):
+        user = SimpleNamespace(emotion=emotion, start_emotion=30, calls=common.CallStats())
+        return rollout.Dialogue(dialogue_id, None, user, [1, 2], emotions=[emotion], reply_texts=["Reply."])
+
+    mine = [played(0, 40), played(1, 50)] if rank == 0 else [played(2, 60)]
+    columns, rewards = train_ppo.step_dialogues(mine, [d.final_emotion / 100 for d in mine], accelerator)
+    return {"final_emotion": columns["final_emotion"], "rewards": rewards}
+
+
+@check
 def ppo_launch_checks():
     said = []
     for use_vllm in (False, True):  # PPO's vLLM push is from one process

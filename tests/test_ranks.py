@@ -157,3 +157,8 @@ def test_a_launch_ppo_cannot_run_is_refused_on_every_rank_and_said_once(ranks):
     rank0, rank1 = both(ranks, "ppo_launch_checks")
     assert rank0[0] == rank1[0] == "runs"
     assert "supports a single training process" in rank0[1] and rank1[1] == "1"
+
+
+def test_ppos_step_metrics_are_over_every_ranks_dialogues_in_rank_order(ranks):
+    expected = {"final_emotion": [40, 50, 60], "rewards": [0.4, 0.5, 0.6]}
+    assert both(ranks, "ppo_step_dialogues") == (expected, expected)
