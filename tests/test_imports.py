@@ -1,20 +1,17 @@
 """Imports run one way: no two of the project's files import each other, directly or through others. An import
 inside a function counts too (it is a circle all the same, only deferred)."""
-import ast
+import importlib.util
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 OURS = {path.stem for path in REPO.glob("*.py")}
+_spec = importlib.util.spec_from_file_location("core_lines", REPO / "benchmarks" / "core_lines.py")
+core_lines = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(core_lines)
 
 
 def our_imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return (names & OURS) - {path.stem}
+    return core_lines.our_imports(path, OURS) - {path.stem}
 
 
 def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -53,3 +50,11 @@ def test_no_two_files_import_each_other_directly_or_through_others():
     assert graph["preflight"] == {"common", "rollout"}
     assert all({"rollout", "preflight"} <= graph[trainer] for trainer in ("train_grpo", "train_ppo"))
     assert "rollout" in graph["eval_sentient"]
+
+
+def test_the_line_count_follows_lazy_imports_through_our_modules_and_counts_each_file_once(tmp_path):
+    (tmp_path / "script.py").write_text("import json\nimport helper\n\n\ndef later():\n    import lazy\n")
+    (tmp_path / "helper.py").write_text("from lazy import x\n")
+    (tmp_path / "lazy.py").write_text("import helper\nx = 1\n\n")
+    (tmp_path / "unused.py").write_text("y = 2\n")
+    assert core_lines.reached("script.py", tmp_path) == {"script.py": 6, "helper.py": 1, "lazy.py": 3}
