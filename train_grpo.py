@@ -188,6 +188,13 @@ def importance_ratios_cut(ratio: torch.Tensor, trained: torch.Tensor, args: GRPO
     return (cut & trained).sum(), trained.sum()
 
 
+def ranks_clipped_share(ratio: torch.Tensor, trained: torch.Tensor, args: GRPOConfig, accelerator) -> float:
+    """The share of every rank's trained tokens whose importance ratio TRL cut (importance_ratios_cut)."""
+    counts = torch.stack(importance_ratios_cut(ratio, trained, args))
+    cut, total = accelerator.gather(counts.float().unsqueeze(0)).sum(0).tolist()
+    return cut / max(total, 1)
+
+
 def turn_terms(turn_changes: list[list[int]], failed: list[bool], group_size: int, baseline: str, scale: str,
                change_bound: int) -> list[list[float]]:
     """The turn-level term of each policy turn of each row, before its coefficient. Rows come in groups of
@@ -292,10 +299,9 @@ class DialogueGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["turn_credit/mean_abs_term"].append(sum(weighted) / max(len(weighted), 1))
         if "importance_sampling_ratio" in batch:  # use_vllm with the correction on
             trained = batch["completion_mask"] * batch.get("tool_mask", 1)  # tool_mask: the rollout's env_mask
-            counts = torch.stack(importance_ratios_cut(batch["importance_sampling_ratio"], trained, self.args))
-            cut, total = self.accelerator.gather(counts.float().unsqueeze(0)).sum(0).tolist()
+            share = ranks_clipped_share(batch["importance_sampling_ratio"], trained, self.args, self.accelerator)
             mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["sampling/importance_sampling_ratio/clipped_share"].append(cut / max(total, 1))
+            self._metrics[mode]["sampling/importance_sampling_ratio/clipped_share"].append(share)
         return batch
 
 

@@ -100,6 +100,14 @@ def turn_terms():
 
 
 @check
+def clipped_share():
+    args = SimpleNamespace(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0,
+                           vllm_importance_sampling_clip_min=None)
+    ratio, trained = ([[2.0, 1.0, 2.0, 1.0]], [[1, 1, 1, 1]]) if rank == 0 else ([[1.0, 2.0]], [[1, 0]])
+    return train_grpo.ranks_clipped_share(torch.tensor(ratio), torch.tensor(trained), args, accelerator)
+
+
+@check
 def lockstep_vllm_calls():
     calls = []
 

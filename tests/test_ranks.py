@@ -162,3 +162,8 @@ def test_a_launch_ppo_cannot_run_is_refused_on_every_rank_and_said_once(ranks):
 def test_ppos_step_metrics_are_over_every_ranks_dialogues_in_rank_order(ranks):
     expected = {"final_emotion": [40, 50, 60], "rewards": [0.4, 0.5, 0.6]}
     assert both(ranks, "ppo_step_dialogues") == (expected, expected)
+
+
+def test_grpos_clipped_share_is_over_every_ranks_trained_tokens(ranks):
+    """2 of rank 0's 4 trained tokens were cut, none of rank 1's one (its second token is not trained): 2 of 5."""
+    assert both(ranks, "clipped_share") == (pytest.approx(0.4), pytest.approx(0.4))
