@@ -534,17 +534,17 @@ def load_generator(args, folder: str, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     if torch.cuda.is_available():
         model.to("cuda")
-    return TransformersGenerator(model, tokenizer, sampling_config(args, tokenizer))
+    return TransformersGenerator(model, tokenizer, sampling_config(tokenizer, args.temperature, args.top_p))
 
 
-def sampling_config(args, tokenizer):
-    """transformers' GenerationConfig for an evaluation's --temperature and --top_p (greedy at 0), ending at
-    the end of a turn."""
+def sampling_config(tokenizer, temperature: float, top_p: float = 1.0):
+    """transformers' GenerationConfig sampling at `temperature` and `top_p` (greedy at temperature 0), a turn
+    ending at any end-of-turn token: the evaluations', PPO's rollout's and best_of_n's."""
     from transformers import GenerationConfig
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
-        if args.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) \
+        if temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     return GenerationConfig(eos_token_id=sorted(end_of_turn_ids(tokenizer)), pad_token_id=pad_id, **sampling)
 
 

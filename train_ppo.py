@@ -42,7 +42,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, extract_model_from_parallel, gather_object
 from peft import LoraConfig, get_peft_model
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 from trl import TrlParser
 
 import generation
@@ -769,10 +769,8 @@ def policy_generator(vllm_server, policy, tokenizer, args: PPOArguments, dialogu
         if dialogue_args.rollout == "async":
             return vllm_server.turns(args.seed, step, rank=0)  # one process (preflight.check_launch)
         return vllm_server
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    sampling = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-                                eos_token_id=sorted(generation.end_of_turn_ids(tokenizer)), pad_token_id=pad_id)
-    return generation.TransformersGenerator(policy, tokenizer, sampling, dialogue_args.prefix_cache)
+    return generation.TransformersGenerator(policy, tokenizer, generation.sampling_config(tokenizer, args.temperature),
+                                            dialogue_args.prefix_cache)
 
 
 def stop_if_simulators_failed(dialogues, step: int, dialogue_args, output_dir: Path, model, optimizer, tokenizer,

@@ -30,7 +30,7 @@ if __name__ == "__main__":
     common.start_script("each finished n's row is in --output (where given)")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import eval_sentient  # noqa: E402
 import generation  # noqa: E402
@@ -120,10 +120,8 @@ def main() -> None:
     folder = common.loadable_model(args.model)  # a trained adapter merged onto its base once
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    config = GenerationConfig(do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0,
-                              eos_token_id=sorted(generation.end_of_turn_ids(tokenizer)),
-                              pad_token_id=tokenizer.pad_token_id)
-    generate = generation.TransformersGenerator(model, tokenizer, config, prefix_cache=False)
+    generate = generation.TransformersGenerator(model, tokenizer, generation.sampling_config(tokenizer, args.temperature),
+                                                prefix_cache=False)
     for n in args.n:
         torch.manual_seed(args.seed)
         started = time.perf_counter()

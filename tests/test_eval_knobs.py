@@ -47,7 +47,8 @@ def test_a_benchmark_run_against_an_endpoint_takes_every_flag_it_was_given(senti
     assert server.most_at_once == 1  # --batch_size: scenarios at once against an endpoint
     points = [row["emo_point"] for row in rows]
     assert summary["score_ci95"] == list(eval_sentient.bootstrap_interval(points, 50))  # --bootstrap_samples
-    assert (rows[0]["made_by"]["think"], rows[0]["made_by"]["max_think_tokens"], rows[0]["made_by"]["seed"]) == (True, 7, 4)
+    made_by = rows[0]["made_by"]
+    assert (made_by["think"], made_by["max_think_tokens"], made_by["seed"]) == (True, 7, 4)
 
 
 @pytest.fixture
@@ -64,7 +65,8 @@ def general_run(tmp_path, monkeypatch):
             output_dir=tmp_path / "out", temperature=0.3, top_p=0.6, seed=4, batch_size=2, max_new_tokens=21,
             bootstrap_samples=50) + ["--think"])
         summary = eval_general.evaluate(args)
-    return {"server": server, "summary": summary, "rows": eval_general.read_result_rows(tmp_path / "out" / "math500.jsonl")}
+    rows = eval_general.read_result_rows(tmp_path / "out" / "math500.jsonl")
+    return {"server": server, "summary": summary, "rows": rows}
 
 
 def test_a_general_run_against_an_endpoint_takes_every_flag_it_was_given(general_run):
@@ -81,48 +83,47 @@ def test_a_general_run_against_an_endpoint_takes_every_flag_it_was_given(general
 
 
 # Each flag: the tests (module::function) that set it away from its default and see it act.
-SEAMS, SELF = "test_seams", "test_eval_knobs"
-ENDPOINT_SENTIENT = f"{SELF}::test_a_benchmark_run_against_an_endpoint_takes_every_flag_it_was_given"
-ENDPOINT_GENERAL = f"{SELF}::test_a_general_run_against_an_endpoint_takes_every_flag_it_was_given"
+# The named tests, short: module::function.
+SENTIENT_RUN = "test_eval_knobs::test_a_benchmark_run_against_an_endpoint_takes_every_flag_it_was_given"
+GENERAL_RUN = "test_eval_knobs::test_a_general_run_against_an_endpoint_takes_every_flag_it_was_given"
+SAMPLES = "test_eval_knobs::test_rescore_and_compare_take_their_bootstrap_samples"
+BACKENDS = "test_seams::test_an_evaluations_sampling_flags_reach_the_vllm_engine_and_transformers"
+RETRIES = "test_seams::test_the_tested_model_is_tried_once_more_than_model_max_retries"
+DIALOGUES = "test_seams::test_the_sentient_benchmarks_budgets_and_schedule_reach_its_dialogues"
+GENERAL_REQUESTS = "test_seams::test_the_general_evaluations_requests_carry_its_sampling_flags"
+BATCHES = "test_seams::test_the_general_evaluation_seeds_each_batch_by_its_first_items_place"
 LIVECODEBENCH = "test_eval_general::test_livecodebench_date_window_and_release_files"
 SENTIENT_FLAGS = {
-    "model": [ENDPOINT_SENTIENT], "model_base_url": [ENDPOINT_SENTIENT], "model_api_key_env": [ENDPOINT_SENTIENT],
-    "model_timeout": ["test_bad_input_eval::test_a_tested_model_endpoint_that_never_answers_fails_within_its_bound_and_says_it_waits"],
-    "model_max_retries": [f"{SEAMS}::test_the_tested_model_is_tried_once_more_than_model_max_retries"],
-    "use_vllm": [f"{SEAMS}::test_an_evaluations_sampling_flags_reach_the_vllm_engine_and_transformers",
-                 "test_eval_vllm::test_the_sentient_command_line_passes_top_p_and_each_context_gets_its_own_completion"],
-    "think": [ENDPOINT_SENTIENT, f"{SEAMS}::test_the_sentient_benchmarks_budgets_and_schedule_reach_its_dialogues"],
-    "profiles": [ENDPOINT_SENTIENT], "output": [ENDPOINT_SENTIENT], "limit": [ENDPOINT_SENTIENT],
-    "max_reply_tokens": [ENDPOINT_SENTIENT, f"{SEAMS}::test_the_sentient_benchmarks_budgets_and_schedule_reach_its_dialogues"],
-    "max_think_tokens": [ENDPOINT_SENTIENT, f"{SEAMS}::test_the_sentient_benchmarks_budgets_and_schedule_reach_its_dialogues"],
-    "max_dialogue_tokens": [f"{SEAMS}::test_the_sentient_benchmarks_budgets_and_schedule_reach_its_dialogues"],
-    "temperature": [ENDPOINT_SENTIENT, f"{SEAMS}::test_an_evaluations_sampling_flags_reach_the_vllm_engine_and_transformers"],
-    "top_p": [ENDPOINT_SENTIENT, f"{SEAMS}::test_an_evaluations_sampling_flags_reach_the_vllm_engine_and_transformers"],
-    "seed": [ENDPOINT_SENTIENT, "test_eval_oracles::test_a_resumed_local_benchmark_plays_every_unfinished_batch_seeded_by_its_position"],
-    "batch_size": [ENDPOINT_SENTIENT, f"{SEAMS}::test_the_sentient_benchmarks_budgets_and_schedule_reach_its_dialogues"],
-    "rollout": [f"{SEAMS}::test_the_sentient_benchmarks_budgets_and_schedule_reach_its_dialogues"],
-    "rescore": ["test_eval_sentient::test_rescore_prints_a_leaderboard_best_first", f"{SELF}::test_rescore_and_compare_take_their_bootstrap_samples"],
-    "bootstrap_samples": [ENDPOINT_SENTIENT, f"{SELF}::test_rescore_and_compare_take_their_bootstrap_samples"],
+    "model": [SENTIENT_RUN], "model_base_url": [SENTIENT_RUN], "model_api_key_env": [SENTIENT_RUN],
+    "model_timeout": ["test_bad_input_eval::"
+                      "test_a_tested_model_endpoint_that_never_answers_fails_within_its_bound_and_says_it_waits"],
+    "model_max_retries": [RETRIES],
+    "use_vllm": [BACKENDS, "test_eval_vllm::"
+                           "test_the_sentient_command_line_passes_top_p_and_each_context_gets_its_own_completion"],
+    "think": [SENTIENT_RUN, DIALOGUES], "profiles": [SENTIENT_RUN], "output": [SENTIENT_RUN], "limit": [SENTIENT_RUN],
+    "max_reply_tokens": [SENTIENT_RUN, DIALOGUES], "max_think_tokens": [SENTIENT_RUN, DIALOGUES],
+    "max_dialogue_tokens": [DIALOGUES], "temperature": [SENTIENT_RUN, BACKENDS], "top_p": [SENTIENT_RUN, BACKENDS],
+    "seed": [SENTIENT_RUN, "test_eval_oracles::"
+                           "test_a_resumed_local_benchmark_plays_every_unfinished_batch_seeded_by_its_position"],
+    "batch_size": [SENTIENT_RUN, DIALOGUES], "rollout": [DIALOGUES],
+    "rescore": ["test_eval_sentient::test_rescore_prints_a_leaderboard_best_first", SAMPLES],
+    "bootstrap_samples": [SENTIENT_RUN, SAMPLES],
 }
 GENERAL_FLAGS = {
-    "model": [ENDPOINT_GENERAL], "model_base_url": [ENDPOINT_GENERAL], "model_api_key_env": [ENDPOINT_GENERAL],
-    "model_timeout": [f"{SEAMS}::test_the_general_evaluations_requests_carry_its_sampling_flags"],
-    "model_max_retries": [f"{SEAMS}::test_the_tested_model_is_tried_once_more_than_model_max_retries"],
-    "use_vllm": [f"{SEAMS}::test_an_evaluations_sampling_flags_reach_the_vllm_engine_and_transformers"],
-    "think": [ENDPOINT_GENERAL], "tasks": [ENDPOINT_GENERAL], "output_dir": [ENDPOINT_GENERAL],
-    "limit": [ENDPOINT_GENERAL], "math500_path": [ENDPOINT_GENERAL],
-    "ifeval_path": ["test_bad_input_eval::test_ifeval_rows_of_the_wrong_shape_are_refused_with_their_line_before_any_generation"],
+    "model": [GENERAL_RUN], "model_base_url": [GENERAL_RUN], "model_api_key_env": [GENERAL_RUN],
+    "model_timeout": [GENERAL_REQUESTS], "model_max_retries": [RETRIES], "use_vllm": [BACKENDS],
+    "think": [GENERAL_RUN], "tasks": [GENERAL_RUN], "output_dir": [GENERAL_RUN], "limit": [GENERAL_RUN],
+    "math500_path": [GENERAL_RUN],
+    "ifeval_path": ["test_bad_input_eval::"
+                    "test_ifeval_rows_of_the_wrong_shape_are_refused_with_their_line_before_any_generation"],
     "livecodebench_path": [LIVECODEBENCH], "livecodebench_release": [LIVECODEBENCH],
     "livecodebench_start_date": [LIVECODEBENCH], "livecodebench_end_date": [LIVECODEBENCH],
-    "temperature": [ENDPOINT_GENERAL, f"{SEAMS}::test_the_general_evaluations_requests_carry_its_sampling_flags"],
-    "top_p": [ENDPOINT_GENERAL, f"{SEAMS}::test_an_evaluations_sampling_flags_reach_the_vllm_engine_and_transformers"],
-    "max_new_tokens": [ENDPOINT_GENERAL, f"{SEAMS}::test_the_general_evaluation_seeds_each_batch_by_its_first_items_place"],
-    "batch_size": [ENDPOINT_GENERAL, f"{SEAMS}::test_the_general_evaluation_seeds_each_batch_by_its_first_items_place"],
-    "seed": [ENDPOINT_GENERAL, f"{SEAMS}::test_the_general_evaluation_seeds_each_batch_by_its_first_items_place"],
-    "code_memory_mb": ["test_eval_oracles::test_check_sandbox_accepts_working_limits_and_refuses_a_known_good_program_that_fails"],
-    "compare": ["test_eval_general::test_compare_command_prints_a_table_from_two_result_folders",
-                f"{SELF}::test_rescore_and_compare_take_their_bootstrap_samples"],
-    "bootstrap_samples": [f"{SELF}::test_rescore_and_compare_take_their_bootstrap_samples"],
+    "temperature": [GENERAL_RUN, GENERAL_REQUESTS], "top_p": [GENERAL_RUN, BACKENDS],
+    "max_new_tokens": [GENERAL_RUN, BATCHES], "batch_size": [GENERAL_RUN, BATCHES], "seed": [GENERAL_RUN, BATCHES],
+    "code_memory_mb": ["test_eval_oracles::"
+                       "test_check_sandbox_accepts_working_limits_and_refuses_a_known_good_program_that_fails"],
+    "compare": ["test_eval_general::test_compare_command_prints_a_table_from_two_result_folders", SAMPLES],
+    "bootstrap_samples": [SAMPLES],
 }
 
 

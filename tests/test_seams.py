@@ -361,10 +361,14 @@ def test_an_evaluations_sampling_flags_reach_the_vllm_engine_and_transformers(ev
     generation.load_generator(eval_arguments([*argv, "--use_vllm"])[0] if evaluation == "sentient"
                               else general_arguments([*argv, "--use_vllm"]), "model-folder", tokenizer)
     assert made == [("model-folder", 0.4, 0.8, 5)]
-    config = generation.sampling_config(args, tokenizer)
+    import transformers
+
+    weights = SimpleNamespace(eval=lambda: "policy")  # no weights load: the generator's settings are what is read
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda folder: weights)
+    config = generation.load_generator(args, "model-folder", tokenizer).generation_config
     assert (config.do_sample, config.temperature, config.top_p, config.top_k) == (True, 0.4, 0.8, 0)
     assert set(config.eos_token_id) == generation.end_of_turn_ids(tokenizer)
-    greedy = generation.sampling_config(SimpleNamespace(temperature=0.0, top_p=0.8), tokenizer)
+    greedy = generation.sampling_config(tokenizer, 0.0, 0.8)
     assert greedy.do_sample is False
 
 
