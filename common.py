@@ -1297,6 +1297,27 @@ def check_vllm(use_vllm: bool) -> None:
                          "requirements-gpu.txt; or leave --use_vllm out to generate with transformers")
 
 
+def quiet_libraries() -> None:
+    """Keep off the console what the libraries say that asks nothing of a user of these scripts, so that a run
+    shows its own lines and its progress bar. Each is harmless here, and none hides an error:
+    - TRL reads transformers' deprecated name `is_gradient_checkpointing`, and its configs default the deprecated
+      `gradient_checkpointing` (FutureWarnings of a name, not of a setting: both take effect);
+    - DeepSpeed, installed for the rehearsals of the GPU paths, warns on import that it found no GPU (set
+      DS_ACCELERATOR to the CPU where torch sees no accelerator, as DeepSpeed asks);
+    - transformers draws a progress bar while it loads the weights (a second, before the training bar)."""
+    import warnings
+
+    import torch
+    from transformers.utils import logging as transformers_logging
+
+    for name in ("is_gradient_checkpointing", "gradient_checkpointing"):
+        warnings.filterwarnings("ignore", message=f"`{name}` is deprecated", category=FutureWarning)
+    if not torch.accelerator.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    transformers_logging.set_tqdm_hook(lambda make, args, kwargs: make(
+        *args, **{**kwargs, "disable": kwargs.get("disable") or kwargs.get("desc") == "Loading weights"}))
+
+
 def use_all_cpu_cores() -> None:
     """`accelerate launch` sets OMP_NUM_THREADS=1 even for a single CPU process, which halves the
     demo's speed on 2 cores; one process on a CPU-only machine should use every core it may run on

@@ -687,6 +687,21 @@ def dialogue_metrics(columns: dict[str, list], max_turns: int) -> dict[str, floa
     return metrics
 
 
+def run_line(method: str, model: str, lora: bool, backend: str, think: bool, steps: int, output_dir) -> str:
+    """What a training run says before its first step: what it trains and where it writes."""
+    return (f"{method}: {model}{' (LoRA)' if lora else ''}{', thinking,' if think else ''} against the {backend} "
+            f"user, {steps} steps; writing {output_dir}")
+
+
+def step_line(step: int, max_steps: int, metrics: dict, think: bool) -> str:
+    """A training step in one line: the mean final emotion, the share of turns that broke the think format
+    (thinking), and the step's seconds; every metric is in the run folder and the tracker."""
+    line = f"step {step}/{max_steps}: mean final emotion {metrics.get('emotion/final_mean', float('nan')):.1f}"
+    if think:
+        line += f", format violations {metrics.get('format/violation_rate', float('nan')):.0%}"
+    return line + f", {metrics['step_time']:.0f} s"
+
+
 class TooManySimulatorFailures(simulator.SimulatorError):
     """More of a batch's dialogues had their simulator fail than `max_failed_share` allows."""
 

@@ -499,7 +499,7 @@ class MissingEncoder(RuntimeError):
 
 
 def token_states(bert, ids):
-    """A BertModel's token states for one unpadded sentence (ids of shape 1 x n): its forward pass written out
+    """A BertModel's (or any holder of its `embeddings` and `encoder`) token states for one unpadded sentence (ids of shape 1 x n): its forward pass written out
     with its own modules, the same operations in the same order, so the same states bit for bit (tested)."""
     from torch.nn.functional import scaled_dot_product_attention
 
@@ -545,13 +545,15 @@ class SentenceReader:
             self.model = torch.ao.quantization.quantize_dynamic(model.eval(), {torch.nn.Linear}, dtype=torch.qint8)
             self.model.requires_grad_(False)
 
-            class Encoder(torch.nn.Module):  # tracing asks for the model as a submodule of what it traces
+            class Encoder(torch.nn.Module):  # tracing asks for the modules as submodules of what it traces
                 def __init__(self, bert):
                     super().__init__()
-                    self.bert = bert
+                    # BertModel's parts, not BertModel: tracing reads every attribute of what it traces, and
+                    # reading BertModel's loss_function logs a transformers warning (it has no loss).
+                    self.embeddings, self.encoder = bert.embeddings, bert.encoder
 
                 def forward(self, ids):
-                    return token_states(self.bert, ids)
+                    return token_states(self, ids)
 
             # Traced once (any sentence length: the trace keeps the length symbolic): the same operations,
             # bit for bit, without Python's dispatch of some 150 module calls, which was half a sentence's cost.

@@ -29,6 +29,14 @@ else
     _rlver_status=$?
     if [ "$_rlver_status" -eq 0 ]; then
         echo "set up: $_rlver_root/$_rlver_venv"
+        # accelerate's default config, where there is none: without one, `accelerate launch` warns of every
+        # value it had to assume. An existing one is never replaced.
+        _rlver_accelerate="${HF_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/huggingface}/accelerate/default_config.yaml"
+        if [ "${1:-cpu}" = cpu ] && [ ! -e "$_rlver_accelerate" ] \
+                && mkdir -p "$(dirname "$_rlver_accelerate")" \
+                && cp "$_rlver_root/accelerate_configs/cpu.yaml" "$_rlver_accelerate"; then
+            echo "wrote accelerate's default config (one process on CPU): $_rlver_accelerate"
+        fi
         if [ "$_rlver_self" = "$0" ]; then  # run, not sourced: the activation ended with this shell
             echo "activate it with: . $_rlver_root/$_rlver_venv/bin/activate"
         fi
@@ -36,5 +44,5 @@ else
         echo "setup.sh: a step failed (status $_rlver_status); nothing else was installed" >&2
     fi
 fi
-unset _rlver_self _rlver_root _rlver_venv _rlver_requirements
+unset _rlver_self _rlver_root _rlver_venv _rlver_requirements _rlver_accelerate
 return "$_rlver_status" 2>/dev/null || exit "$_rlver_status"

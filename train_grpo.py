@@ -32,6 +32,7 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback
+from transformers.trainer_callback import ProgressCallback
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 
 import generation
@@ -61,6 +62,7 @@ DEMO_DEFAULTS = dict(
     logging_steps=1, save_strategy="steps", save_steps=10, report_to="none",  # a checkpoint every 10 steps
     gradient_checkpointing=False,  # a 135M model fits; checkpointing would only slow the CPU down
     bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+    dataloader_pin_memory=torch.cuda.is_available(),  # pinned memory is for copies to a GPU (torch warns on CPU)
     # With --use_vllm: cap each token's importance ratio instead of TRL's default, which drops a whole
     # dialogue when the product of its tokens' ratios exceeds 3 (module docstring).
     vllm_importance_sampling_mode="token_truncate",
@@ -256,6 +258,19 @@ class StopOnCtrlC(TrainerCallback):
             control.should_save = control.should_training_stop = self.stopped = True
 
 
+class StepLines(ProgressCallback):
+    """The Trainer's progress bar with one short line per step (rollout.step_line) in place of its dictionary of
+    every metric, which trainer_state.json and the tracker keep."""
+
+    def __init__(self, think: bool):
+        super().__init__()
+        self.think = think
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and self.training_bar is not None and "emotion/final_mean" in (logs or {}):
+            self.training_bar.write(rollout.step_line(state.global_step, state.max_steps, logs, self.think))
+
+
 def merge_lora_out_of_place(vllm_generation) -> None:
     """Make TRL's weight sync to vLLM merge a LoRA adapter out of place. TRL merges it into the base weights
     in place and unmerges it after each sync, which in bf16 does not give the frozen base back exactly: it
@@ -364,11 +379,15 @@ def train_and_save(trainer: DialogueGRPOTrainer, training_args: GRPOConfig, runn
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    common.quiet_libraries()
     common.use_all_cpu_cores()
     dialogue_args, simulator_args, credit_args, training_args, model_args = parse_arguments(argv)
     if dialogue_args.think and training_args.output_dir == DEMO_DEFAULTS["output_dir"]:
         training_args.output_dir += "-think"  # the two demo runs side by side
     model_path, profiles = check_inputs(argv, dialogue_args, simulator_args, credit_args, training_args, model_args)
+    if training_args.distributed_state.is_main_process:
+        print(rollout.run_line("GRPO", model_args.model_name_or_path, model_args.use_peft, simulator_args.backend,
+                               dialogue_args.think, training_args.max_steps, training_args.output_dir), flush=True)
     transcripts = Path(training_args.output_dir) / "transcripts.jsonl"
     if training_args.resume_from_checkpoint:
         preflight.prepare_resume(training_args, transcripts)
@@ -407,6 +426,9 @@ def main(argv: list[str] | None = None) -> None:
         credit=credit_args if dialogue_args.turn_credit else None,
         change_bound=simulator_args.change_bound,
     )
+    if not training_args.disable_tqdm:
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(StepLines(dialogue_args.think))
     if training_args.use_vllm:
         preflight.check_vllm_length(generation.trainer_max_model_len(trainer), dialogue_args.max_dialogue_tokens)
     train_and_save(trainer, training_args, runner)

@@ -560,6 +560,7 @@ CHECKPOINT_MEMBERS = ("state.pt", "critic.pt", "policy")  # what save_checkpoint
 # --------------------------------------------------------------------------------------------
 
 def main(argv=None) -> None:
+    common.quiet_libraries()
     args, dialogue_args, simulator_args = parse_arguments(argv)
     if dialogue_args.think and args.output_dir == "runs/ppo-demo":
         args.output_dir += "-think"  # the two demo runs side by side
@@ -574,6 +575,8 @@ def main(argv=None) -> None:
     common.claim_run_folder(output_dir, "train_ppo.py", args.model_name_or_path, args.resume, "--resume", settings,
                             accelerator)
     transcripts, metrics_file = run_files(output_dir, accelerator)
+    accelerator.print(rollout.run_line("PPO", args.model_name_or_path, args.use_peft, simulator_args.backend,
+                                       dialogue_args.think, args.max_steps, output_dir))
     checkpoint, start_step = None, 0
     if args.resume:  # the files' faults (a line cut short by a kill, ...) show now, not after the models load
         checkpoint, start_step = resume_point(output_dir, transcripts, metrics_file, args.save_steps, args.max_steps,
@@ -654,7 +657,7 @@ def main(argv=None) -> None:
                        **value_metrics(returns, old_values, batch["action_mask"]),
                        "reward": sum(every_reward) / max(len(every_reward), 1), "step": step,
                        "step_time": time.perf_counter() - started, "rollout_time": rollout_time}
-            log_step(metrics, dialogues, step, transcripts, metrics_file, args, accelerator)
+            log_step(metrics, dialogues, step, transcripts, metrics_file, args, dialogue_args.think, accelerator)
             bar.advance(len(dialogues), metrics.get("emotion/final_mean", float("nan")))
             saved = (step + 1) % args.save_steps == 0
             if saved:
@@ -852,14 +855,13 @@ def step_dialogues(dialogues, final_rewards: list[float], accelerator) -> tuple[
 
 
 def log_step(metrics: dict, dialogues, step: int, transcripts: Path, metrics_file: Path, args: PPOArguments,
-             accelerator) -> None:
+             think: bool, accelerator) -> None:
     """This rank's transcripts; the step's metrics row (every rank's: main process), console line and tracker."""
     common.check_run_folder_kept(transcripts.parent)
     rollout.write_transcripts(transcripts, dialogues, step=step)
     if accelerator.is_main_process:
         common.append_rows_kept(metrics_file, [metrics])
-        accelerator.print({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
-                           if not k.startswith("emotion/after")})
+        accelerator.print(rollout.step_line(step + 1, args.max_steps, metrics, think))
     if args.report_to != "none":
         accelerator.log(metrics, step=step)
 

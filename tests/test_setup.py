@@ -47,6 +47,8 @@ def source_setup(tmp_path, arguments="", fails_on="", shell="bash", how="source"
     folder = tmp_path / "repo"
     folder.mkdir()
     shutil.copy(REPO / "setup.sh", folder)
+    (folder / "accelerate_configs").mkdir()
+    shutil.copy(REPO / "accelerate_configs" / "cpu.yaml", folder / "accelerate_configs")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(FAKE_PYTHON)
@@ -56,7 +58,7 @@ def source_setup(tmp_path, arguments="", fails_on="", shell="bash", how="source"
               else f"cd /; {shell} {folder}/setup.sh {arguments}; echo \"status=$?\"")
     finished = subprocess.run([shell, "-c", script], capture_output=True, text=True, timeout=60,
                               env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "PIP_LOG": str(log),
-                                   "PIP_FAILS_ON": fails_on})
+                                   "PIP_FAILS_ON": fails_on, "HF_HOME": str(tmp_path / "hf")})
     calls = log.read_text().splitlines() if log.exists() else []
     return finished.stdout + finished.stderr, calls, folder
 
@@ -72,6 +74,21 @@ def test_setup_gpu_makes_its_own_virtualenv_with_the_gpu_set(tmp_path):
     assert calls == [f"install -r {folder}/requirements-gpu.txt",
                      f"install --no-deps -r {folder}/requirements-nodeps.txt"]
     assert f"status=0 pip={folder}/.venv-gpu/bin/pip" in output
+    assert not (tmp_path / "hf").exists()  # a GPU machine's launches are configured by accelerate_configs/, not here
+
+
+def test_setup_gives_accelerate_a_one_process_cpu_config_only_where_it_has_none(tmp_path):
+    """Without a default config `accelerate launch` prints a block of "values not passed" before the run's
+    first line; an existing config is the user's and stays as it is."""
+    config = tmp_path / "hf" / "accelerate" / "default_config.yaml"
+    output, _, _ = source_setup(tmp_path)
+    assert config.read_text() == (REPO / "accelerate_configs" / "cpu.yaml").read_text()
+    assert f"wrote accelerate's default config (one process on CPU): {config}" in output and "status=0" in output
+    config.write_text("mine\n")
+    for made in ("repo", "bin"):
+        shutil.rmtree(tmp_path / made)
+    output, _, _ = source_setup(tmp_path)
+    assert config.read_text() == "mine\n" and "wrote accelerate" not in output and "status=0" in output
 
 
 def test_a_failing_step_stops_the_set_up_without_ending_the_users_shell(tmp_path):

@@ -1,7 +1,9 @@
 """train_grpo.py end to end on a tiny model, its reward function, and the paper recipes."""
 import collections
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -78,30 +80,54 @@ def test_a_full_fine_tune_of_fp32_weights_and_lora_on_bf16_weights_are_accepted_
     master_weights_check("--use_peft", "true", "--dtype", "bfloat16")
 
 
+def first_screen(output: str, method: str) -> list[str]:
+    """What a run printed before its first step line that is neither its own start line nor a progress bar."""
+    shown = []
+    for part in re.split(r"[\r\n]+", output):
+        if part.startswith("step 1/"):
+            return shown
+        if part.strip() and not part.startswith(f"{method}: ") and not re.match(r"\s*\d+%\|", part):
+            shown.append(part)
+    raise AssertionError(f"no step line in: {output[-2000:]}")
+
+
 @pytest.mark.parametrize("think", [False, True])
 def test_a_two_step_run_completes_and_writes_transcripts_and_metrics(tiny_model_dir, tmp_path, think):
-    launcher = ([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu"] if think
+    """With --think as the README starts it (`accelerate launch` and nothing else, with the config setup.sh gives
+    accelerate), the first screen holds the run's own line and the progress bar, then one line per step."""
+    launcher = ([sys.executable, "-m", "accelerate.commands.launch"] if think
                 else [sys.executable])  # both ways users start it
+    run, accelerate_home = tmp_path / "run", tmp_path / "hf" / "accelerate"
+    accelerate_home.mkdir(parents=True)
+    shutil.copy(REPO / "accelerate_configs" / "cpu.yaml", accelerate_home / "default_config.yaml")
     command = launcher + [str(REPO / "train_grpo.py"), "--model_name_or_path", str(tiny_model_dir),
-                          "--output_dir", str(tmp_path), "--max_steps", "2", "--max_turns", "2",
+                          "--output_dir", str(run), "--max_steps", "2", "--max_turns", "2",
                           "--max_think_tokens", "4", "--max_reply_tokens", "6", "--num_generations", "2",
                           "--per_device_train_batch_size", "4"] + (["--think"] if think else [])
-    finished = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "transcripts.jsonl").read_text().splitlines()]
+    finished = subprocess.run(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=300, env={**os.environ, "HF_HOME": str(tmp_path / "hf"), "PYTHONUNBUFFERED": "1"})
+    output = finished.stdout  # and stderr, in the order written, as a terminal shows them
+    assert finished.returncode == 0, output[-3000:]
+    assert first_screen(output, "GRPO") == []
+    assert f"GRPO: {tiny_model_dir} (LoRA){', thinking,' if think else ''} against the rule user, 2 steps; " \
+           f"writing {run}" in output
+    step_lines = re.findall(r"step \d/2: mean final emotion [\d.]+(?:, format violations \d+%)?, \d+ s", output)
+    assert len(step_lines) == 2 and all(("format violations" in line) == think for line in step_lines)
+    assert "'loss'" not in output  # the Trainer's dictionary of metrics stays in trainer_state.json
+    rows = [json.loads(line) for line in (run / "transcripts.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and {row["step"] for row in rows} == {0, 1}
     assert all(len(row["think_texts"]) == row["turns"] for row in rows)
     assert all(any(t for t in row["think_texts"]) == think for row in rows)
     groups = [rows[i:i + 2] for i in range(0, 8, 2)]  # num_generations dialogues per profile, consecutive
     assert all(a["id"] == b["id"] and a["history"][0] == b["history"][0] for a, b in groups)
-    history = json.loads((tmp_path / "trainer_state.json").read_text())["log_history"]
+    history = json.loads((run / "trainer_state.json").read_text())["log_history"]
     step_logs = [entry for entry in history if "emotion/final_mean" in entry]
     assert len(step_logs) == 2
     for name in ("reward", "emotion/success_rate", "emotion/failure_rate", "dialogue/turns_mean",
                  "format/violation_rate", "length/think_tokens_per_turn", "length/reply_tokens_per_turn",
                  "simulator/seconds_per_turn", "dialogue/ended_turn_limit", "emotion/after_turn_2"):
         assert name in step_logs[0], name
-    assert (tmp_path / "adapter_model.safetensors").is_file()
+    assert (run / "adapter_model.safetensors").is_file()
 
 
 def test_when_the_simulator_endpoint_dies_the_run_stops_after_saving_and_resumes(tiny_model_dir, tmp_path):

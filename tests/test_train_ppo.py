@@ -167,6 +167,13 @@ def run_ppo(tiny_model_dir, output_dir, *flags, launcher=(sys.executable,)):
     assert f"read the dialogues: python {shown} {output_dir}" in finished.stdout
     transcripts = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    # What it trains and where it writes, then one short line a step; every metric is in metrics.jsonl.
+    assert re.search(rf"^PPO: {re.escape(str(tiny_model_dir))}.* against the \w+ user, \d+ steps; writing "
+                     rf"{re.escape(str(output_dir))}$", finished.stdout, re.MULTILINE)
+    steps = re.findall(r"^step (\d+)/\d+: mean final emotion [\d.]+(?:, format violations \d+%)?, \d+ s$",
+                       finished.stdout, re.MULTILINE)
+    assert steps and [int(step) for step in steps] == [row["step"] + 1 for row in metrics][-len(steps):]
+    assert "{'" not in finished.stdout
     return transcripts, metrics
 
 
