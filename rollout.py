@@ -5,7 +5,7 @@ per-request seeds (tests/test_rollout_async.py; on a GPU's vLLM only with VLLM_B
 - async (the default): each dialogue is its own task, and asks for its next policy turn as soon as its
   own simulated user has answered. Its turns are sampled by `TurnBatcher` (one batched generate call for
   whichever dialogues are waiting: transformers, in-process vLLM) or sent as requests of their own to a
-  vLLM server (`generation.VLLMServerTurns`). A step costs about its longest dialogue, not the sum over
+  vLLM server (`vllm_backends.VLLMServerTurns`). A step costs about its longest dialogue, not the sum over
   turns of each turn's slowest simulator (benchmarks/rollout_bench.py).
 - lockstep (the paper's): each turn, one batched generate call for every active dialogue, then all
   their simulators answer. It is what a generator whose calls are collectives needs (every rank the
@@ -690,7 +690,7 @@ def dialogue_metrics(columns: dict[str, list], max_turns: int) -> dict[str, floa
 def run_line(method: str, model: str, lora: bool, backend: str, think: bool, steps: int, output_dir) -> str:
     """What a training run says before its first step: what it trains and where it writes."""
     return (f"{method}: {model}{' (LoRA)' if lora else ''}{', thinking,' if think else ''} against the {backend} "
-            f"user, {steps} steps; writing {output_dir}")
+            f"user, {steps} step{'s' if steps != 1 else ''}; writing {output_dir}")
 
 
 def step_line(step: int, max_steps: int, metrics: dict, think: bool) -> str:

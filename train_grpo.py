@@ -271,19 +271,6 @@ class StepLines(ProgressCallback):
             self.training_bar.write(rollout.step_line(state.global_step, state.max_steps, logs, self.think))
 
 
-def merge_lora_out_of_place(vllm_generation) -> None:
-    """Make TRL's weight sync to vLLM merge a LoRA adapter out of place. TRL merges it into the base weights
-    in place and unmerges it after each sync, which in bf16 does not give the frozen base back exactly: it
-    would drift a little at every step (generation.vllm_parameters). Under DeepSpeed ZeRO-3 TRL merges
-    gathered copies that DeepSpeed then discards, and under FSDP it walks the shards its own way: left to TRL."""
-    if vllm_generation._dist.is_zero3 or vllm_generation._dist.is_fsdp:
-        return
-    model, vllm_name = vllm_generation.model, vllm_generation._fix_param_name_to_vllm
-    vllm_generation._iter_named_params = lambda: (
-        (vllm_name(name), generation.merged_weight(parameter, layer))
-        for name, parameter, layer in generation.vllm_parameters(model))
-
-
 class DialogueGRPOTrainer(GRPOTrainer):
     """TRL's GRPOTrainer plus, with --turn_credit, token-level advantages (the dialogue's outcome advantage, TRL's,
     plus turn_credit_coef x the turn term on each turn's sampled tokens; TRL's loss takes (rows, tokens) as they
@@ -295,7 +282,9 @@ class DialogueGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.credit, self.change_bound = credit, change_bound
         if self.use_vllm and hasattr(self.model, "peft_config"):
-            merge_lora_out_of_place(self.vllm_generation)
+            import vllm_backends
+
+            vllm_backends.merge_lora_out_of_place(self.vllm_generation)
 
     def _save_checkpoint(self, model, trial):
         common.check_run_folder_kept(self.args.output_dir)  # not into another run's folder moved into its place
@@ -346,8 +335,10 @@ def vllm_server_address(training_args: GRPOConfig, dialogue_args) -> str | None:
     """The vLLM server every rank sends its turns to (server mode, --rollout async), else None."""
     if not (training_args.use_vllm and training_args.vllm_mode == "server" and dialogue_args.rollout == "async"):
         return None
-    return generation.server_url(training_args.vllm_server_base_url, training_args.vllm_server_host,
-                                 training_args.vllm_server_port)
+    import vllm_backends
+
+    return vllm_backends.server_url(training_args.vllm_server_base_url, training_args.vllm_server_host,
+                                    training_args.vllm_server_port)
 
 
 def train_and_save(trainer: DialogueGRPOTrainer, training_args: GRPOConfig, runner) -> None:
@@ -430,7 +421,9 @@ def main(argv: list[str] | None = None) -> None:
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(StepLines(dialogue_args.think))
     if training_args.use_vllm:
-        preflight.check_vllm_length(generation.trainer_max_model_len(trainer), dialogue_args.max_dialogue_tokens)
+        import vllm_backends
+
+        preflight.check_vllm_length(vllm_backends.trainer_max_model_len(trainer), dialogue_args.max_dialogue_tokens)
     train_and_save(trainer, training_args, runner)
     if trainer.accelerator.is_main_process:
         print(f"read the dialogues: {common.script_command('report.py')} {shlex.quote(training_args.output_dir)}")

@@ -595,9 +595,11 @@ def main(argv=None) -> None:
     networks = accelerator.unwrap_model(model)  # .policy and .critic, for generation and saving
     if accelerator.is_main_process and args.report_to != "none":
         accelerator.init_trackers("rlver-ppo", config={**vars(args), **vars(dialogue_args)})
-    vllm_server = generation.VLLMServerGenerator(args.vllm_server_host, args.vllm_server_port,
-                                                 args.temperature) if args.use_vllm else None
-    if vllm_server is not None:
+    vllm_server = None
+    if args.use_vllm:
+        import vllm_backends
+
+        vllm_server = vllm_backends.VLLMServerGenerator(args.vllm_server_host, args.vllm_server_port, args.temperature)
         preflight.check_vllm_length(vllm_server.max_model_len(), dialogue_args.max_dialogue_tokens)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 

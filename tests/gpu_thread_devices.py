@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import generation  # noqa: E402
+
+import vllm_backends  # noqa: E402
 import train_grpo  # noqa: E402
 
 
@@ -25,6 +27,6 @@ def reporting(call):
     return on_device
 
 
-for backend in (generation.TransformersGenerator, generation.VLLMGenerator):
+for backend in (generation.TransformersGenerator, vllm_backends.VLLMGenerator):
     backend.__call__ = reporting(backend.__call__)
 train_grpo.main(sys.argv[1:])

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from accelerate import Accelerator, InitProcessGroupKwargs  # noqa: E402
 
 import common  # noqa: E402
-import generation  # noqa: E402
+import vllm_backends  # noqa: E402
 import preflight  # noqa: E402
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
@@ -119,7 +119,7 @@ def lockstep_vllm_calls():
                            enable_sleep_mode=False, generation_kwargs=None, max_completion_length=None,
                            generate=generate)
     contexts, budgets = RANK_ROWS["budgets"][rank]
-    sampled, _ = generation.VLLMGenerator(SimpleNamespace(vllm_generation=vllm))(contexts, budgets)
+    sampled, _ = vllm_backends.VLLMGenerator(SimpleNamespace(vllm_generation=vllm))(contexts, budgets)
     return {"calls": calls, "sampled": sampled}
 
 
@@ -128,7 +128,7 @@ def server_max_model_len():
     client = SimpleNamespace(get_server_info=lambda: {"model_config": {"max_model_len": 1234}}) if rank == 0 else None
     trainer = SimpleNamespace(vllm_generation=SimpleNamespace(mode="server", vllm_client=client),
                               accelerator=accelerator)
-    return generation.trainer_max_model_len(trainer)
+    return vllm_backends.trainer_max_model_len(trainer)
 
 
 @check

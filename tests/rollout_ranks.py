@@ -22,6 +22,7 @@ from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
 import common  # noqa: E402
 import generation  # noqa: E402
+import vllm_backends  # noqa: E402
 import rollout  # noqa: E402
 import simulator  # noqa: E402
 
@@ -51,9 +52,9 @@ for mode in ("server", "colocate", "transformers"):
         if mode == "transformers":  # each rank its own copy (DDP): generate is no collective
             generate = generation.TransformersGenerator(model, tokenizer, greedy)
         elif mode == "server" and schedule == "async":
-            generate = generation.VLLMServerTurns.of_trainer(trainer)
+            generate = vllm_backends.VLLMServerTurns.of_trainer(trainer)
         else:
-            generate = generation.VLLMGenerator(trainer)
+            generate = vllm_backends.VLLMGenerator(trainer)
         dialogues = runner.run([(p, "I had a rough week.") for p in profiles], generate)
         runner.close()
         results[f"{mode}-{schedule}"] = [

@@ -317,7 +317,7 @@ def test_trls_lora_sync_to_vllm_sends_peft_merged_weights_and_leaves_the_bf16_ba
     from trl.distributed import DistributedBackend
     from trl.generation.vllm_generation import VLLMGeneration
 
-    import train_grpo
+    import vllm_backends
 
     policy = lora_policy(tiny_model_dir)
     sync = SimpleNamespace(model=policy, _dist=DistributedBackend(SimpleNamespace(state=SimpleNamespace(
@@ -325,7 +325,7 @@ def test_trls_lora_sync_to_vllm_sends_peft_merged_weights_and_leaves_the_bf16_ba
     sync._fix_param_name_to_vllm = VLLMGeneration._fix_param_name_to_vllm.__get__(sync)
     sync._iter_named_params = VLLMGeneration._iter_named_params.__get__(sync)
     trls_own = sync._iter_named_params
-    train_grpo.merge_lora_out_of_place(sync)
+    vllm_backends.merge_lora_out_of_place(sync)
     if zero_stage == 3:
         assert sync._iter_named_params == trls_own
         return

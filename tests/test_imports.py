@@ -43,8 +43,8 @@ def test_no_two_files_import_each_other_directly_or_through_others():
     graph = {path.stem: our_imports(path) for path in REPO.glob("*.py")}
     assert find_circle(graph) is None
     # What the README's layout section states, file by file.
-    assert graph["common"] == graph["official"] == graph["rule_user"] == set()
-    assert graph["generation"] == {"common"} and graph["eval_general"] == {"common", "generation"}
+    assert graph["common"] == graph["official"] == graph["rule_user"] == graph["vllm_backends"] == set()
+    assert graph["generation"] == {"common", "vllm_backends"} and graph["eval_general"] == {"common", "generation"}
     assert graph["simulator"] == {"common", "official", "rule_user"}
     assert graph["rollout"] == {"common", "generation", "simulator"}
     assert graph["preflight"] == {"common", "rollout"}
@@ -58,3 +58,13 @@ def test_the_line_count_follows_lazy_imports_through_our_modules_and_counts_each
     (tmp_path / "lazy.py").write_text("import helper\nx = 1\n\n")
     (tmp_path / "unused.py").write_text("y = 2\n")
     assert core_lines.reached("script.py", tmp_path) == {"script.py": 6, "helper.py": 1, "lazy.py": 3}
+
+
+def test_on_start_the_count_leaves_out_what_only_a_function_imports(tmp_path):
+    (tmp_path / "script.py").write_text("import helper\n\nif True:\n    import guarded\n\n\ndef later():\n    import lazy\n")
+    (tmp_path / "helper.py").write_text("class A:\n    import in_class\n")
+    for name in ("guarded", "lazy", "in_class"):
+        (tmp_path / f"{name}.py").write_text("x = 1\n")
+    assert set(core_lines.reached("script.py", tmp_path, lazy=False)) == {"script.py", "helper.py", "guarded.py",
+                                                                          "in_class.py"}
+    assert "lazy.py" in core_lines.reached("script.py", tmp_path)

@@ -580,7 +580,7 @@ def test_a_think_rollout_filling_max_model_len_sends_no_request_vllm_refuses(tin
     from transformers import AutoTokenizer
     from trl.generation import vllm_client
 
-    import generation
+    import vllm_backends
     import rollout
     import simulator
 
@@ -593,7 +593,7 @@ def test_a_think_rollout_filling_max_model_len_sends_no_request_vllm_refuses(tin
                               stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout.readline().strip() == "ready"
-        generate = generation.VLLMServerGenerator("127.0.0.1", port, temperature=1.0)
+        generate = vllm_backends.VLLMServerGenerator("127.0.0.1", port, temperature=1.0)
         runner = rollout.DialogueRunner(AutoTokenizer.from_pretrained(tiny_model_dir), rollout.DialogueArguments(
             think=True, max_turns=8, max_think_tokens=64, max_reply_tokens=32, max_dialogue_tokens=400),
             simulator.SimulatorArguments(change_bound=2))
@@ -638,7 +638,7 @@ def test_pushing_lora_weights_sends_the_merged_weights_and_leaves_the_bf16_base_
     from transformers import AutoModelForCausalLM
     from trl.generation import vllm_client
 
-    import generation
+    import vllm_backends
 
     monkeypatch.setattr(vllm_client, "VLLMClient", RecordingClient)
     torch.manual_seed(0)
@@ -646,7 +646,7 @@ def test_pushing_lora_weights_sends_the_merged_weights_and_leaves_the_bf16_base_
                             LoraConfig(r=4, lora_alpha=8, init_lora_weights=False))  # lora_B non-zero
     before = {name: parameter.detach().clone() for name, parameter in policy.named_parameters()}
     merged = dict(copy.deepcopy(policy).merge_and_unload().named_parameters())
-    server = generation.VLLMServerGenerator("127.0.0.1", 8000, temperature=1.0)
+    server = vllm_backends.VLLMServerGenerator("127.0.0.1", 8000, temperature=1.0)
     for _ in range(20):
         server.push_weights(policy)
     for name, parameter in policy.named_parameters():

@@ -99,11 +99,11 @@ def test_a_grpo_recipe_plays_its_rollout_async(recipe):
     --rollout async (the default) is what runs, not a fallback to lockstep."""
     from types import SimpleNamespace
 
-    import generation
+    import vllm_backends
 
     dialogue_args, _, _, training_args, _ = grpo_arguments(recipe)
     assert dialogue_args.rollout == "async"
-    assert generation.vllm_lockstep_reason(SimpleNamespace(
+    assert vllm_backends.vllm_lockstep_reason(SimpleNamespace(
         mode=training_args.vllm_mode, tensor_parallel_size=training_args.vllm_tensor_parallel_size,
         enable_sleep_mode=training_args.vllm_enable_sleep_mode)) is None
 

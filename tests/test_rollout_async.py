@@ -12,6 +12,7 @@ from fake_openai import FakeOpenAIServer
 
 import common
 import generation
+import vllm_backends
 import rollout
 import simulator
 
@@ -134,11 +135,11 @@ def vllm_client(monkeypatch):
     monkeypatch.setattr(vllm_client, "is_vllm_available", lambda *args, **kwargs: True)
 
 
-def batched_server_generator(url: str, temperature: float) -> generation.VLLMServerGenerator:
+def batched_server_generator(url: str, temperature: float) -> vllm_backends.VLLMServerGenerator:
     """train_ppo.py's lockstep generator on the fake server, without its NCCL weight channel (not used here)."""
     from trl.generation.vllm_client import VLLMClient
 
-    generate = generation.VLLMServerGenerator.__new__(generation.VLLMServerGenerator)
+    generate = vllm_backends.VLLMServerGenerator.__new__(vllm_backends.VLLMServerGenerator)
     generate.client = VLLMClient(base_url=url, connection_timeout=10)
     generate.host, generate.port = "127.0.0.1", int(url.rsplit(":", 1)[1])
     generate.temperature = temperature
@@ -173,10 +174,10 @@ def test_per_request_seeds_make_sampled_server_dialogues_independent_of_arrival_
                             if json.loads(line)["event"] == "completions"))
     assert played[0] == played[1] and seeds[0] == seeds[1]
     assert len(set(seeds[0])) == len(seeds[0])  # every request its own seed
-    other_rank = generation.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, step=0, rank=1)
-    this_rank = generation.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, step=0, rank=0)
+    other_rank = vllm_backends.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, step=0, rank=1)
+    this_rank = vllm_backends.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, step=0, rank=0)
     assert other_rank.request_seed((0, 0, "reply")) != this_rank.request_seed((0, 0, "reply"))
-    next_step = generation.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, step=1, rank=0)
+    next_step = vllm_backends.VLLMServerTurns("http://127.0.0.1:1", {}, seed=5, step=1, rank=0)
     assert next_step.request_seed((0, 0, "reply")) != this_rank.request_seed((0, 0, "reply"))
 
 
@@ -203,7 +204,7 @@ def test_trls_vllm_generate_is_left_in_lockstep_exactly_where_it_is_a_collective
     from types import SimpleNamespace
 
     def reason(mode, tensor_parallel_size=1, enable_sleep_mode=False):
-        return generation.vllm_lockstep_reason(SimpleNamespace(mode=mode, tensor_parallel_size=tensor_parallel_size,
+        return vllm_backends.vllm_lockstep_reason(SimpleNamespace(mode=mode, tensor_parallel_size=tensor_parallel_size,
                                                                enable_sleep_mode=enable_sleep_mode))
 
     assert reason("colocate") is None

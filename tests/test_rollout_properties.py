@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import common
 import generation
+import vllm_backends
 import rollout
 import simulator
 from generation import THINK_CLOSE, THINK_OPEN, split_think
@@ -941,7 +942,7 @@ def test_the_vllm_server_generator_sends_one_request_per_budget_with_that_budget
             self.calls.append((prompts, max_tokens))
             return {"completion_ids": [[7] * 12 for _ in prompts], "logprobs": [[[-0.5]] * 12 for _ in prompts]}
 
-    generator = generation.VLLMServerGenerator.__new__(generation.VLLMServerGenerator)
+    generator = vllm_backends.VLLMServerGenerator.__new__(vllm_backends.VLLMServerGenerator)
     generator.client, generator.temperature = Client(), 0.9
     sampled, logprobs = generator([[1], [2], [3]], [5, 9, 5])
     assert generator.client.calls == [([[1], [3]], 5), ([[2]], 9)]

@@ -23,6 +23,7 @@ import common
 import eval_general
 import eval_sentient
 import generation
+import vllm_backends
 import rollout
 import simulator
 import train_grpo
@@ -228,7 +229,7 @@ SAMPLING = {"temperature": 0.6, "top_p": 0.9, "top_k": 7, "min_p": 0.05, "repeti
 
 
 def test_a_turns_request_to_the_vllm_server_carries_its_budget_stop_sampling_and_seed(vllm_server):
-    turns = generation.VLLMServerTurns(vllm_server.url, SAMPLING, seed=3, step=4, rank=1)
+    turns = vllm_backends.VLLMServerTurns(vllm_server.url, SAMPLING, seed=3, step=4, rank=1)
 
     async def play():
         try:
@@ -259,7 +260,7 @@ def test_a_turns_seed_depends_on_each_of_run_seed_step_rank_dialogue_turn_and_ph
     base = (3, 4, 1, 2, 1, "think")
 
     def seed_of(parts):
-        return generation.VLLMServerTurns("http://127.0.0.1:9", SAMPLING, *parts[:3]).request_seed(parts[3:])
+        return vllm_backends.VLLMServerTurns("http://127.0.0.1:9", SAMPLING, *parts[:3]).request_seed(parts[3:])
 
     seeds = {seed_of(base)}
     for place, other in enumerate((4, 5, 0, 7, 2, "reply")):
@@ -276,13 +277,13 @@ def test_a_trainers_turns_take_its_server_sampling_step_and_own_rank(rank):
                                           generation_kwargs={"presence_penalty": 0.5})
     trainer = SimpleNamespace(vllm_generation=generation_settings, args=SimpleNamespace(seed=3),
                               state=SimpleNamespace(global_step=4), accelerator=SimpleNamespace(process_index=rank))
-    turns = generation.VLLMServerTurns.of_trainer(trainer)
+    turns = vllm_backends.VLLMServerTurns.of_trainer(trainer)
     assert str(turns.client.base_url) == "http://10.0.0.5:8123/v1/"
     assert turns.sampling == {**SAMPLING, "presence_penalty": 0.5}
-    expected = generation.VLLMServerTurns("http://127.0.0.1:9", SAMPLING, seed=3, step=4, rank=rank)
+    expected = vllm_backends.VLLMServerTurns("http://127.0.0.1:9", SAMPLING, seed=3, step=4, rank=rank)
     assert turns.request_seed((2, 1, "reply")) == expected.request_seed((2, 1, "reply"))
     generation_settings.server_base_url = "http://example:9000"
-    assert str(generation.VLLMServerTurns.of_trainer(trainer).client.base_url) == "http://example:9000/v1/"
+    assert str(vllm_backends.VLLMServerTurns.of_trainer(trainer).client.base_url) == "http://example:9000/v1/"
 
 
 class RecordingVLLMClient:
@@ -304,7 +305,7 @@ class RecordingVLLMClient:
 
 @pytest.mark.parametrize("stop", [None, "</think>"])
 def test_ppos_vllm_server_generator_asks_once_per_budget_with_its_temperature_and_stop(stop):
-    generator = generation.VLLMServerGenerator.__new__(generation.VLLMServerGenerator)
+    generator = vllm_backends.VLLMServerGenerator.__new__(vllm_backends.VLLMServerGenerator)
     generator.client, generator.temperature = RecordingVLLMClient(), 0.65
     sampled, logprobs = generator([[1, 2], [3], [4, 5, 6]], [5, 3, 5], stop=stop)
     calls = generator.client.calls
@@ -332,7 +333,7 @@ def test_the_evaluations_vllm_engine_samples_each_row_with_its_budget_stop_and_a
             return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[p["prompt_token_ids"][-1]] * 2)])
                     for p in prompts]
 
-    generator = generation.VLLMEngineGenerator.__new__(generation.VLLMEngineGenerator)
+    generator = vllm_backends.VLLMEngineGenerator.__new__(vllm_backends.VLLMEngineGenerator)
     generator.llm, generator.temperature, generator.top_p = Engine(), 0.4, 0.8
     import torch
 
@@ -357,7 +358,7 @@ def test_an_evaluations_sampling_flags_reach_the_vllm_engine_and_transformers(ev
     argv = flags(temperature=0.4, top_p=0.8, seed=5)
     args = eval_arguments(argv)[0] if evaluation == "sentient" else general_arguments(argv)
     made = []
-    monkeypatch.setattr(generation, "VLLMEngineGenerator", lambda *given: made.append(given))
+    monkeypatch.setattr(vllm_backends, "VLLMEngineGenerator", lambda *given: made.append(given))
     generation.load_generator(eval_arguments([*argv, "--use_vllm"])[0] if evaluation == "sentient"
                               else general_arguments([*argv, "--use_vllm"]), "model-folder", tokenizer)
     assert made == [("model-folder", 0.4, 0.8, 5)]

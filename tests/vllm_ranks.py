@@ -1,4 +1,4 @@
-"""generation.VLLMGenerator over TRL's real VLLMGeneration on several CPU ranks (gloo), with the fake vllm:
+"""vllm_backends.VLLMGenerator over TRL's real VLLMGeneration on several CPU ranks (gloo), with the fake vllm:
 
     python -m torch.distributed.run --nproc_per_node 2 tests/vllm_ranks.py OUT_DIR MODE TP MODEL [SERVER_URL]
 
@@ -19,7 +19,8 @@ from accelerate import Accelerator, InitProcessGroupKwargs  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
-import generation  # noqa: E402
+
+import vllm_backends  # noqa: E402
 from vllm._fakegen import EOS, tag  # noqa: E402
 
 SHORT, LONG = 4, 50  # context lengths; the server test runs the fake at max_model_len 64
@@ -43,7 +44,7 @@ trl_generation = VLLMGeneration(model=AutoModelForCausalLM.from_pretrained(model
                                 processing_class=tokenizer, mode=mode, tensor_parallel_size=tensor_parallel_size,
                                 server_base_url=sys.argv[5] if mode == "server" else None, max_completion_length=16,
                                 logprobs=0)
-generate = generation.VLLMGenerator(SimpleNamespace(vllm_generation=trl_generation))
+generate = vllm_backends.VLLMGenerator(SimpleNamespace(vllm_generation=trl_generation))
 for case, per_rank in enumerate(CASES):
     shapes = per_rank[rank]
     contexts = [[1] * (length - 1) + [1000 + 100 * rank + 10 * case + i] for i, (length, _) in enumerate(shapes)]

@@ -17,6 +17,8 @@ sys.path[:0] = [HERE, REPO]
 from trl.generation import vllm_client  # noqa: E402
 
 import generation  # noqa: E402
+
+import vllm_backends  # noqa: E402
 from vllm._fakegen import EOS, THINK_CLOSE, log, tag  # noqa: E402
 
 
@@ -70,7 +72,7 @@ def checked_turns(cls):
 
 
 vllm_client.VLLMClient.init_communicator = init_communicator
-checked_turns(generation.VLLMServerTurns)
+checked_turns(vllm_backends.VLLMServerTurns)
 for name in ("VLLMGenerator", "VLLMServerGenerator", "VLLMEngineGenerator"):
     checked(getattr(generation, name))
 

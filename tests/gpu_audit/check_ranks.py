@@ -1,4 +1,4 @@
-"""generation.VLLMGenerator over the REAL TRL 1.16 VLLMGeneration in the mode MODE (default server; colocate uses the
+"""vllm_backends.VLLMGenerator over the REAL TRL 1.16 VLLMGeneration in the mode MODE (default server; colocate uses the
 fake vllm.LLM) with tensor_parallel_size TP (default 1), on 1 or 2 CPU ranks (gloo). Contexts are unique per rank;
 the first sampled token is a function of the context (vllm._fakegen.tag), so each rank can check it got its own
 completion."""
@@ -15,7 +15,8 @@ from accelerate import Accelerator, InitProcessGroupKwargs  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
-import generation  # noqa: E402
+
+import vllm_backends  # noqa: E402
 from vllm._fakegen import EOS, tag  # noqa: E402
 
 acc = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=30))])
@@ -24,7 +25,7 @@ model = AutoModelForCausalLM.from_pretrained(TINY)
 tok = AutoTokenizer.from_pretrained(TINY)
 gen = VLLMGeneration(model=model, accelerator=acc, processing_class=tok, mode=os.environ.get("MODE", "server"), tensor_parallel_size=int(os.environ.get("TP", "1")),
                      server_base_url=os.environ["FAKE_URL"], max_completion_length=16, logprobs=0)
-generate = generation.VLLMGenerator(SimpleNamespace(vllm_generation=gen))
+generate = vllm_backends.VLLMGenerator(SimpleNamespace(vllm_generation=gen))
 
 
 def run(case, n_contexts, budget):
