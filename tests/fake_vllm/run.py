@@ -16,8 +16,6 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, REPO]
 from trl.generation import vllm_client  # noqa: E402
 
-import generation  # noqa: E402
-
 import vllm_backends  # noqa: E402
 from vllm._fakegen import EOS, THINK_CLOSE, log, tag  # noqa: E402
 
@@ -74,7 +72,7 @@ def checked_turns(cls):
 vllm_client.VLLMClient.init_communicator = init_communicator
 checked_turns(vllm_backends.VLLMServerTurns)
 for name in ("VLLMGenerator", "VLLMServerGenerator", "VLLMEngineGenerator"):
-    checked(getattr(generation, name))
+    checked(getattr(vllm_backends, name))
 
 if __name__ == "__main__":
     script = os.path.join(REPO, sys.argv[1]) if not os.path.isabs(sys.argv[1]) else sys.argv[1]
