@@ -67,6 +67,7 @@ if __name__ == "__main__":
 import numpy as np
 from trl import TrlParser
 
+import chat_client
 import generation
 
 TASKS = ("math500", "livecodebench", "humaneval", "ifeval")
@@ -567,7 +568,7 @@ class EndpointBackend:
 
     async def _complete(self, conversations, max_new_tokens, seed):
         if self.client is None:  # created on the loop that will use its connections
-            self.client = common.ChatClient(self.args.model_base_url, self.args.model, self.args.model_api_key_env,
+            self.client = chat_client.ChatClient(self.args.model_base_url, self.args.model, self.args.model_api_key_env,
                                             temperature=self.args.temperature, top_p=self.args.top_p,
                                             timeout=self.args.model_timeout,
                                             max_retries=self.args.model_max_retries, role="tested-model")

@@ -48,6 +48,7 @@ if __name__ == "__main__":
 import numpy as np
 from trl import TrlParser
 
+import chat_client
 import generation
 import rollout
 import simulator
@@ -328,7 +329,7 @@ async def play_endpoint(args, simulator_args, chat, profiles, done: set, output:
     """Scenarios concurrently (at most batch_size at once) against an OpenAI-compatible endpoint; the
     model sees the system prompt and the dialogue's messages, never its own earlier thinking."""
     made_by = run_record(args, simulator_args)
-    client = common.ChatClient(args.model_base_url, args.model, args.model_api_key_env,
+    client = chat_client.ChatClient(args.model_base_url, args.model, args.model_api_key_env,
                                temperature=args.temperature, top_p=args.top_p, timeout=args.model_timeout,
                                max_retries=args.model_max_retries,
                                max_tokens=args.max_reply_tokens + (args.max_think_tokens if args.think else 0),
@@ -343,7 +344,7 @@ async def play_endpoint(args, simulator_args, chat, profiles, done: set, output:
         async with gate:
             user = rollout.new_simulator(profile, chat, dialogues, simulator_args)
             messages = generation.policy_messages(simulator_args.language or profile.language, args.think,
-                                                  dialogues.policy_prompt, simulator_args.official("policy_prompts"))
+                                                  dialogues.policy_prompt, simulator_args.released_prompts("policy_prompts"))
             messages.append({"role": "user", "content": await user.open()})
             thoughts = []
             while not user.done:
@@ -382,7 +383,7 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
     done = finished_ids(output, made_by, profiles, args.profiles, args.limit)
     if len(done) < len(profiles):
         common.check_local_model(args)
-        chat = simulator.make_chat(simulator_args)
+        chat = rollout.make_chat(simulator_args)
         points = []
         with rollout.DialogueProgress(len(profiles), len(done), "scenarios") as bar:
             def progress(rows):

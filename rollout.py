@@ -243,11 +243,34 @@ class Dialogue:
                 "format_violations": self.format_violations, "failure": self.failure}
 
 
+def make_chat(simulator_args: simulator.SimulatorArguments):
+    """The chat transport the simulated users talk through, one shared by every dialogue: None for the rule user,
+    else an endpoint's client or a model in this process (llm_user.make_chat)."""
+    if simulator_args.backend == "rule":
+        return None
+    import llm_user  # the LLM users: only for --backend llm or local
+
+    return llm_user.make_chat(simulator_args)
+
+
+def make_simulator(profile, chat, simulator_args: simulator.SimulatorArguments, *, start_emotion: int,
+                   max_turns: int) -> simulator.Simulator:
+    """A fresh simulated user for one dialogue, every setting from `simulator_args`: the rule user for --backend
+    rule, else an LLM user talking through `chat` (make_chat), with our prompts or the released code's."""
+    options = dict(start_emotion=start_emotion, max_turns=max_turns, variant=simulator_args.variant,
+                   change_bound=simulator_args.change_bound, language=simulator_args.language)
+    if simulator_args.backend == "rule":
+        return simulator.RuleSimulator(profile, **options)
+    import llm_user
+
+    return llm_user.make_simulator(profile, chat, simulator_args, options)
+
+
 def new_simulator(profile, chat, dialogue_args: DialogueArguments,
                   simulator_args: simulator.SimulatorArguments) -> simulator.Simulator:
     """A fresh simulated user for one dialogue: the dialogue's start and turn limit, the simulator's options."""
-    return simulator.make_simulator(profile, chat, simulator_args, start_emotion=dialogue_args.start_emotion,
-                                    max_turns=dialogue_args.max_turns)
+    return make_simulator(profile, chat, simulator_args, start_emotion=dialogue_args.start_emotion,
+                          max_turns=dialogue_args.max_turns)
 
 
 class DialogueRunner:
@@ -264,7 +287,7 @@ class DialogueRunner:
         self.simulator_args = simulator_args or simulator.SimulatorArguments()
         if (chat is None) != (self.simulator_args.backend == "rule"):  # the backend decides the user, not `chat`
             raise ValueError(f"--backend {self.simulator_args.backend} takes "
-                             f"{'no chat' if chat is not None else 'a chat (simulator.make_chat)'}")
+                             f"{'no chat' if chat is not None else 'a chat (make_chat)'}")
         self.chat = chat
         self.segments = ChatSegments(tokenizer)
         # The least room a turn needs: a minimal reply, and in think mode the inserted think tags and
@@ -337,7 +360,7 @@ class DialogueRunner:
     def _prompt(self, profile, opening: str) -> list[int]:
         args, language = self.args, self.simulator_args.language or profile.language
         messages = generation.policy_messages(language, args.think, args.policy_prompt,
-                                              self.simulator_args.official("policy_prompts"))
+                                              self.simulator_args.released_prompts("policy_prompts"))
         return self.segments.prompt_ids(messages, opening)
 
     async def _run(self, starts, generate, shared) -> list[Dialogue]:

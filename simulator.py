@@ -10,14 +10,11 @@ benchmark; the training scripts' is `--max_turns`). Each change is clamped to +-
 paper's released training code left it unbounded; the benchmark bounds it) and the emotion to [0, 100].
 
 Backends (`--backend`):
-- `llm`: any OpenAI-compatible chat endpoint (vLLM `serve`, commercial APIs). Two calls per user
-  turn as in the paper: an *analysis* call (reasoning, then a last line `CHANGE: <signed int>`,
-  parsed strictly, asked again at most `--simulator_parse_attempts` times) and a *reply* call that writes the
-  user's message from that analysis and the discrete state. Prompts are the text files in
-  `prompts/<language>/`; the policy's words go into them as JSON-quoted data, never as instructions.
-- `local`: the same prompts and parser, run through a transformers model in this process.
 - `rule` (offline default): deterministic, no LLM, English only; `rule_user.py` holds it, its rules
-  in its docstring and what each finding costs in one table at its top.
+  in its docstring and what each finding costs in one table at its top (`RuleSimulator` below).
+- `llm` (any OpenAI-compatible chat endpoint, the paper's) and `local` (the same prompts and parser run
+  through a transformers model in this process): llm_user.py, imported only for them
+  (rollout.make_simulator chooses).
 
 Variants (`--variant`), after the paper's finding that a forgiving simulator trains better:
 - `vanilla`: expressive and forgiving. LLM prompts ask for visible feelings and generous credit
@@ -26,28 +23,17 @@ Variants (`--variant`), after the paper's finding that a forgiving simulator tra
   replies that really meet the hidden need; the rule user needs more for a gain and answers
   tersely without saying why.
 
-Run a dialogue in the terminal (type replies; an empty line ends):
-    python simulator.py --profile en-train-01 --backend rule
-    python simulator.py --profile en-train-01 --backend rule --replies my_replies.txt
-    python simulator.py --profile en-bench-01 --profiles profiles/benchmark.jsonl --benchmark \\
-        --backend llm --base_url http://localhost:8000/v1 --simulator_model Qwen/Qwen2.5-32B-Instruct
+Talk to a simulated user in the terminal: `python talk.py --profile en-train-01`.
 
 What it simplifies: the offline default is the rule user, not an LLM (the paper's user is an LLM: `--backend
 llm`); each change is bounded in training too; our prompts are our own (the released code's: `--simulator_prompts
 sage|rlver`). The rules in full: docs/method.md; the released prompts: docs/official_prompts.md; the rule user:
 docs/rule_user.md.
 """
-import asyncio
-import json
-import os
 import re
-import string
-import sys
-import threading
 from dataclasses import dataclass, field
 
 import common
-import official
 import rule_user
 
 DEFAULT_PROFILES = common.REPO_DIR / "profiles" / "train.jsonl"
@@ -71,6 +57,7 @@ EMOTION_STATES = (("S", 100), ("A", 70), ("B", 40), ("C", 10), ("F", 0))
 FAREWELL_AT = 100  # emotion >= this ends the dialogue (state S)
 GIVE_UP_BELOW = 10  # emotion < this ends the dialogue (state F)
 VARIANTS = ("vanilla", "challenging")
+RELEASED_PROMPTS = ("sage", "rlver")  # the released code's prompts (official.SOURCES), besides ours
 LANGUAGES = ("en", "zh")
 
 
@@ -351,213 +338,6 @@ class Simulator:
 
 
 # --------------------------------------------------------------------------------------------
-# LLM backends: prompts, strict parsing, an OpenAI-compatible client, an in-process model
-# --------------------------------------------------------------------------------------------
-
-class AnalysisFormatError(ValueError):
-    """The analysis call's output does not follow the required format."""
-
-
-_CHANGE_LINE = re.compile(r"^\s*CHANGE\s*[:：]", re.IGNORECASE)
-_CHANGE_VALUE = re.compile(r"\s*CHANGE\s*[:：]\s*([+-]?\d{1,3})\s*", re.IGNORECASE)
-
-
-def parse_analysis(text: str) -> tuple[int, str]:
-    """Split an analysis into (change, reasoning). The format is strict: free reasoning, then a
-    last non-empty line `CHANGE: <signed integer>`, and no other CHANGE line anywhere (a second one,
-    e.g. echoed from a reply that tried to inject a score, makes the output ambiguous)."""
-    lines = [line for line in (text or "").strip().splitlines()]
-    change_lines = [i for i, line in enumerate(lines) if _CHANGE_LINE.match(line)]
-    if len(change_lines) != 1:
-        raise AnalysisFormatError(f"expected exactly one 'CHANGE:' line, found {len(change_lines)}")
-    if change_lines[0] != len(lines) - 1:
-        raise AnalysisFormatError("the 'CHANGE:' line must be the last line")
-    value = _CHANGE_VALUE.fullmatch(lines[-1])
-    if not value:
-        raise AnalysisFormatError(f"'CHANGE:' must be followed by a signed integer of at most 3 digits, got "
-                                  f"{lines[-1].strip()!r:.60}")
-    reasoning = "\n".join(lines[:-1]).strip()
-    if not reasoning:
-        raise AnalysisFormatError("the reasoning before the 'CHANGE:' line is empty")
-    return int(value.group(1)), reasoning
-
-
-def load_prompt(language: str, name: str) -> string.Template:
-    """A prompt template from prompts/<language>/<name>.txt ($-placeholders)."""
-    path = common.PROMPTS_DIR / language / f"{name}.txt"
-    if not path.is_file():
-        raise SimulatorError(f"prompt file {path} is missing")
-    return string.Template(path.read_text(encoding="utf-8"))
-
-
-def quoted_dialogue(history: list[dict]) -> str:
-    """The dialogue as JSON lines, so nothing either side wrote can pass for an instruction."""
-    speaker = {"user": "me", "assistant": "them"}
-    return "\n".join(json.dumps({"speaker": speaker[m["role"]], "text": m["content"]}, ensure_ascii=False)
-                     for m in history)
-
-
-
-
-class LocalChat:
-    """The same chat interface, served by a transformers model in this process (offline LLM path)."""
-
-    def __init__(self, model_name_or_path: str, temperature: float, max_new_tokens: int):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        path = common.resolve_model(model_name_or_path, "simulator_model")
-        common.check_model_folder(path, "simulator_model")
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        if not self.tokenizer.chat_template:
-            raise SimulatorError(f"{model_name_or_path} has no chat template; use an instruct/chat model")
-        self.model = AutoModelForCausalLM.from_pretrained(path)
-        self.model.eval()
-        self.temperature, self.max_new_tokens = temperature, max_new_tokens
-        self._lock = threading.Lock()  # one generate at a time; dialogues take turns
-        self.totals = common.CallStats()
-
-    def _generate(self, messages: list[dict]) -> tuple[str, common.CallStats]:
-        import torch
-
-        inputs = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                    return_tensors="pt", return_dict=True)
-        sampling = ({"do_sample": True, "temperature": self.temperature} if self.temperature > 0
-                    else {"do_sample": False})
-        with self._lock, torch.no_grad():
-            output = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens,
-                                         pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
-                                         **sampling)
-        prompt_tokens = inputs["input_ids"].shape[1]
-        call = common.CallStats(calls=1, attempts=1, prompt_tokens=prompt_tokens,
-                                completion_tokens=output.shape[1] - prompt_tokens)
-        call.failed = int(call.completion_tokens == self.max_new_tokens  # cut before it ended
-                          and output[0, -1].item() != self.tokenizer.eos_token_id)
-        return self.tokenizer.decode(output[0, prompt_tokens:], skip_special_tokens=True), call
-
-    async def check(self) -> None:
-        return None
-
-    async def complete(self, messages: list[dict], stats: common.CallStats | None = None) -> str:
-        text, call = await asyncio.to_thread(self._generate, messages)
-        call.add_to(self.totals, stats)
-        if call.failed:  # never a message (as ChatClient's whole_answers)
-            raise SimulatorError(f"the local simulator's answer was cut at --simulator_max_tokens "
-                                 f"{self.max_new_tokens}; raise it")
-        return text
-
-
-
-
-class LLMSimulator(Simulator):
-    """The paper's simulator: an analysis call, then a reply call, through `chat.complete`."""
-
-    def __init__(self, profile, chat, *, parse_attempts: int, **options):
-        super().__init__(profile, **options)
-        self.chat = chat
-        self.parse_attempts = parse_attempts
-        self.format_retries = 0  # analyses that had to be asked again
-        self._style = load_prompt(self.language, f"style_{self.variant}").template.strip()
-
-    def _fields(self, **extra) -> dict:
-        return {"persona": self.profile.player, "scene": self.profile.scene, "style": self._style,
-                "dialogue": quoted_dialogue(self.history), "emotion": self.emotion, "state": self.state,
-                "bound": self.change_bound, **extra}
-
-    async def _ask(self, system: str, user: str) -> str:
-        return await self.chat.complete([{"role": "system", "content": system}, {"role": "user", "content": user}],
-                                        stats=self.calls)
-
-    async def _opening(self) -> str:
-        return await self._message(load_prompt(self.language, "opening").substitute(self._fields()))
-
-    async def _judge(self, reply_text: str) -> tuple[int, str]:
-        prompt = load_prompt(self.language, "analysis").substitute(
-            self._fields(reply=json.dumps(reply_text, ensure_ascii=False)))
-        system = load_prompt(self.language, "system").substitute(self._fields())
-        problem = None
-        for attempt in range(self.parse_attempts):
-            if attempt:
-                self.format_retries += 1
-            output = await self._ask(system, prompt)
-            try:
-                return parse_analysis(output)
-            except AnalysisFormatError as error:
-                problem = f"{error}; output was {output.strip()[-200:]!r}"
-        raise SimulatorError(f"profile {self.profile.id}: the analysis did not follow the format after "
-                             f"{self.parse_attempts} attempts ({problem})")
-
-    async def _write_message(self, reply_text: str, reasoning: str, change: int) -> str:
-        prompt = load_prompt(self.language, "reply").substitute(self._fields(analysis=reasoning, change=change))
-        return await self._message(prompt)
-
-    async def _message(self, prompt: str) -> str:
-        system = load_prompt(self.language, "system").substitute(self._fields())
-        for _ in range(self.parse_attempts):
-            message = (await self._ask(system, prompt)).strip().strip('"“”').strip()
-            if message:
-                return message
-        raise SimulatorError(f"profile {self.profile.id}: the simulator returned an empty message "
-                             f"{self.parse_attempts} times")
-
-
-class OfficialSimulator(Simulator):
-    """The simulated user of the released SAGE or RLVER code, with their own prompts (`official.py`): an
-    analysis call, then a reply call, each prompt sent as the only message, built and parsed as there.
-    What stays ours: the bounded retries, the change bound (RLVER's own is none), call counting, and the
-    termination rules, except that a goodbye is "再见" or "拜拜" anywhere in the message, as in SAGE."""
-
-    def __init__(self, profile, chat, prompts: "official.OfficialPrompts", *, parse_attempts: int,
-                 empty_user_message: str, analysis_emotion: str, **options):
-        super().__init__(profile, **options)
-        self.chat, self.prompts, self.parse_attempts = chat, prompts, parse_attempts
-        self.format_retries = 0
-        self.keep_empty = empty_user_message == "keep"  # as both released loops do (SimulatorArguments)
-        self.analysis_emotion = analysis_emotion
-
-    async def _ask(self, prompt: str) -> str:
-        return await self.chat.complete([{"role": "user", "content": prompt}], stats=self.calls)
-
-    def _says_goodbye(self, message: str) -> bool:
-        return official.says_goodbye(message)
-
-    async def _opening(self) -> str:
-        return await self._message(self.prompts.reply_prompt(self.profile, f"Emotion-{self.state}", [], None))
-
-    async def _judge(self, reply_text: str) -> tuple[int, str]:
-        history = self.history + [{"role": "assistant", "content": reply_text}]
-        # RLVER's released reply() copies only the history back into its player data: its analysis prompts all
-        # show the starting emotion (SimulatorArguments.analysis_emotion).
-        shown = self.start_emotion if self.analysis_emotion == "start" else self.emotion
-        prompt = self.prompts.analysis_prompt(self.profile, shown, history)
-        problem = None
-        for attempt in range(self.parse_attempts):
-            if attempt:
-                self.format_retries += 1
-            output = await self._ask(prompt)
-            try:
-                change, planning = self.prompts.parse_analysis(output)
-            except ValueError as error:  # where the official code raises and asks again
-                problem = f"{error}; output was {output.strip()[-200:]!r}"
-                continue
-            return change, self.prompts.planning_text(planning)
-        raise SimulatorError(f"profile {self.profile.id}: the {self.prompts.source} analysis could not be parsed "
-                             f"after {self.parse_attempts} attempts ({problem})")
-
-    async def _write_message(self, reply_text: str, reasoning: str, change: int) -> str:
-        history = self.history  # the policy's reply is in it by now
-        return await self._message(self.prompts.reply_prompt(self.profile, f"Emotion-{self.state}", history, reasoning))
-
-    async def _message(self, prompt: str) -> str:
-        for _ in range(self.parse_attempts):
-            message = official.reply_message(await self._ask(prompt))
-            if message.strip() or self.keep_empty:
-                return message
-        raise SimulatorError(f"profile {self.profile.id}: the simulator returned an empty message "
-                             f"{self.parse_attempts} times")
-
-
-
-# --------------------------------------------------------------------------------------------
 # Choosing a backend, and a terminal dialogue
 # --------------------------------------------------------------------------------------------
 
@@ -599,11 +379,11 @@ class SimulatorArguments:
     simulator_prompts: str = field(default="ours", metadata={
         "help": "the simulated user's prompts: ours (prompts/), or the released code's own, read from "
                 "--official_repo: sage (the Sentient benchmark's user), rlver (RLVER's training user)",
-        "choices": ["ours", *official.SOURCES]})
+        "choices": ["ours", *RELEASED_PROMPTS]})
     policy_prompts: str = field(default="ours", metadata={
         "help": "the policy's system prompt: ours (prompts/), sage (SAGE's NPC prompt, no think variant) or "
                 "rlver (RLVER's training prompts), the last two read from --official_repo",
-        "choices": ["ours", *official.SOURCES]})
+        "choices": ["ours", *RELEASED_PROMPTS]})
     official_repo: str | None = field(default=None, metadata={
         "help": "a checkout of github.com/Tencent/digitalhuman, for --simulator_prompts/--policy_prompts sage|rlver"})
     analysis_emotion: str = field(default="current", metadata={
@@ -644,15 +424,22 @@ class SimulatorArguments:
             if not self.official_repo:
                 raise common.ArgumentError(f"--{option} {source} needs --official_repo PATH, a checkout of "
                                            "github.com/Tencent/digitalhuman")
+            import official  # the released code's prompts: only when asked for
+
             try:
                 official.load(source, self.official_repo)
             except official.OfficialRepoError as error:
                 raise common.ArgumentError(str(error)) from None
 
-    def official(self, option: str) -> "official.OfficialPrompts | None":
-        """The official prompts chosen for `option` ("simulator_prompts" or "policy_prompts"), None for ours."""
+    def released_prompts(self, option: str):
+        """The released code's prompts chosen for `option` ("simulator_prompts" or "policy_prompts"), an
+        official.OfficialPrompts, or None for ours."""
         source = getattr(self, option)
-        return None if source == "ours" else official.load(source, self.official_repo)
+        if source == "ours":
+            return None
+        import official
+
+        return official.load(source, self.official_repo)
 
 
 def rule_backend_refusal(profile, language: str | None) -> str:
@@ -664,10 +451,12 @@ def rule_backend_refusal(profile, language: str | None) -> str:
 def check_policy_prompts(args: SimulatorArguments, think: bool) -> None:
     """Refuse, before any model loads, official policy prompts without the mode asked for (SAGE's has no
     think variant): found otherwise at the first dialogue, after the model loaded and the openings were made."""
-    official_prompts = args.official("policy_prompts")
-    if official_prompts is not None:
+    released = args.released_prompts("policy_prompts")
+    if released is not None:
+        import official
+
         try:
-            official_prompts.policy_prompt(think)
+            released.policy_prompt(think)
         except official.OfficialRepoError as error:
             raise common.ArgumentError(str(error)) from None
 
@@ -692,29 +481,6 @@ def load_playable_profiles(path, args: SimulatorArguments, think: bool) -> list[
     return profiles
 
 
-def make_chat(args: SimulatorArguments):
-    """The chat transport an LLM-backed simulator talks through (None for the rule backend).
-    Make one and share it across dialogues."""
-    if args.backend == "rule":
-        return None
-    if not args.simulator_model:
-        raise SimulatorError(f"--backend {args.backend} needs --simulator_model (a served model name, or a local path)")
-    if args.backend == "llm":
-        base_url = args.base_url or os.environ.get("OPENAI_BASE_URL")
-        if not base_url:
-            raise SimulatorError("--backend llm needs --base_url, e.g. http://localhost:8000/v1 for `vllm serve`")
-        if not args.base_url and not common.is_url(base_url):  # the flag is checked while parsing
-            raise SimulatorError(f"$OPENAI_BASE_URL {base_url!r} (the simulator's address, as no --base_url is given): "
-                                 f"must be {common.URL[1]}; set it so, or pass --base_url")
-        return common.ChatClient(base_url, args.simulator_model, args.api_key_env,
-                                 temperature=args.simulator_temperature, max_tokens=args.simulator_max_tokens,
-                                 timeout=args.simulator_timeout, max_retries=args.simulator_max_retries,
-                                 whole_answers=True)
-    if args.backend == "local":
-        return LocalChat(args.simulator_model, args.simulator_temperature, args.simulator_max_tokens)
-    raise ValueError(f"backend must be one of {BACKENDS}, got {args.backend!r}")
-
-
 class RuleSimulator(rule_user.RuleUser, Simulator):
     """The offline rule user: rule_user.py's rules on this module's emotion bookkeeping. English only."""
 
@@ -726,109 +492,3 @@ class RuleSimulator(rule_user.RuleUser, Simulator):
             rule_user.RuleUser.__init__(self, profile)
         except rule_user.MissingOwnWords as error:
             raise SimulatorError(str(error)) from None
-
-
-def make_simulator(profile, chat, args: SimulatorArguments, *, start_emotion: int, max_turns: int) -> Simulator:
-    """A fresh simulated user for one dialogue, every setting from `args`: the rule user for --backend rule, else
-    an LLM user talking through `chat` (make_chat), with our prompts or the released code's."""
-    options = dict(start_emotion=start_emotion, max_turns=max_turns, variant=args.variant,
-                   change_bound=args.change_bound, language=args.language)
-    if args.backend == "rule":
-        return RuleSimulator(profile, **options)
-    official_prompts = args.official("simulator_prompts")
-    if official_prompts is not None:
-        return OfficialSimulator(profile, chat, official_prompts, parse_attempts=args.simulator_parse_attempts,
-                                 empty_user_message=args.empty_user_message, analysis_emotion=args.analysis_emotion,
-                                 **options)
-    return LLMSimulator(profile, chat, parse_attempts=args.simulator_parse_attempts, **options)
-
-
-def find_profile(profiles, profile_id: str, path) -> Profile:
-    for profile in profiles:
-        if profile.id == profile_id:
-            return profile
-    raise SimulatorError(f"no profile with id {profile_id!r} in {path} (--profiles); its ids look like "
-                         f"{', '.join(p.id for p in profiles[:3])}")
-
-
-async def play(simulator: Simulator, replies, out=None) -> None:
-    """Run one dialogue, taking the policy's replies from an iterator of strings; print it to `out` (stdout)."""
-    out = out or sys.stdout  # looked up now, not at import: a redirected stdout is honoured
-    print(f"[user, emotion {simulator.emotion}] {await simulator.open()}", file=out)
-    for reply in replies:
-        turn = await simulator.respond(reply)
-        clamped = ", clamped" if turn.clamped else ""
-        print(f"[turn {simulator.turns}] emotion {turn.emotion} ({turn.change:+d}{clamped}) "
-              f"state {emotion_state(turn.emotion)}\n  why: {turn.reasoning}\n[user] {turn.message}", file=out)
-        if turn.done:
-            print(f"[end: {turn.end_reason}, final emotion {turn.emotion}]", file=out)
-            return
-    print(f"[stopped after {simulator.turns} turns, emotion {simulator.emotion}]", file=out)
-
-
-def _typed_replies():
-    while True:
-        try:
-            reply = input("[you] ")
-        except (EOFError, RuntimeError):  # the end of the input; RuntimeError: no stdin at all (closed)
-            return
-        if not reply.strip():
-            return
-        yield reply
-
-
-@dataclass
-class PlayArguments:
-    profile: str = field(metadata={"help": "profile id, e.g. en-train-01"})
-    profiles: str = field(default=str(DEFAULT_PROFILES), metadata={"help": "profile file (JSON Lines)"})
-    replies: str | None = field(default=None, metadata={"help": "file with one policy reply per line (else type them)"})
-    max_turns: int = field(default=PAPER_MAX_TURNS, metadata={"help": "policy turns before the user leaves"})
-    benchmark: bool = field(default=False, metadata={
-        "help": f"benchmark settings: start at {BENCHMARK_START_EMOTION}, {BENCHMARK_MAX_TURNS} turns"})
-
-    def __post_init__(self):
-        common.check_options(self, max_turns=common.TURNS)
-
-
-def main(argv=None) -> None:
-    try:
-        from transformers import HfArgumentParser  # a second or two: inside the try, where Ctrl-C is one line
-
-        parser = HfArgumentParser((PlayArguments, SimulatorArguments),
-                                  description="Talk to a simulated user, turn by turn.")
-        try:
-            play_args, simulator_args = parser.parse_args_into_dataclasses(argv)
-        except common.ArgumentError as error:
-            parser.error(str(error))
-        # Not asyncio.run: its Ctrl-C handling waits for a pending input() to return, then raises on a second.
-        loop = asyncio.new_event_loop()
-        try:
-            loop.run_until_complete(_talk(play_args, simulator_args))
-        finally:
-            loop.close()
-    except (common.InputError, common.EndpointError) as error:
-        sys.exit(f"error: {error}")
-    except KeyboardInterrupt:
-        common.exit_interrupted("the dialogue was left")
-
-
-async def _talk(play_args: PlayArguments, simulator_args: SimulatorArguments) -> None:
-    # Everything that can be checked offline is, before the endpoint is asked or a model loads.
-    profile = find_profile(load_profiles(play_args.profiles), play_args.profile, play_args.profiles)
-    check_backend([profile], simulator_args)
-    if play_args.replies:
-        replies = [line for line in common.read_text(play_args.replies, "replies file").splitlines() if line.strip()]
-    else:
-        replies = _typed_replies()
-    chat = make_chat(simulator_args)
-    if chat is not None:
-        await chat.check()
-    simulator = make_simulator(profile, chat, simulator_args,
-                               start_emotion=BENCHMARK_START_EMOTION if play_args.benchmark else TRAIN_START_EMOTION,
-                               max_turns=BENCHMARK_MAX_TURNS if play_args.benchmark else play_args.max_turns)
-    await play(simulator, replies)
-
-
-if __name__ == "__main__":
-    common.start_script("the dialogue was left")
-    main()

@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     if training_args.resume_from_checkpoint:
         preflight.prepare_resume(training_args, transcripts)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, simulator.make_chat(simulator_args))
+    runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, rollout.make_chat(simulator_args))
     runner.check_chat()  # fail now, not after loading the model
     openings = shared_openings(runner, list(profiles.values()), training_args)
     runner.check_room([(profile, openings[profile.id]) for profile in profiles.values()])

@@ -587,7 +587,7 @@ def main(argv=None) -> None:
     if args.critic_model_name_or_path:
         common.check_model_folder(args.critic_model_name_or_path, "critic_model_name_or_path", tokenizer=False)
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
-    runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, simulator.make_chat(simulator_args))
+    runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, rollout.make_chat(simulator_args))
     runner.check_chat()  # a wrong URL, key or model name fails now, before any model loads
     openings = runner.openings(profiles)
     runner.check_room([(profile, openings[profile.id]) for profile in profiles])

@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
+import chat_client  # noqa: E402
 import common  # noqa: E402  (before the libraries below: quick, and it quiets a Ctrl-C while they load)
 
 if __name__ == "__main__":
@@ -91,7 +92,7 @@ class LatencyServer:
         return (weighted / busy if busy else 0.0), peak
 
 
-class TimedChat(common.ChatClient):
+class TimedChat(chat_client.ChatClient):
     """The real client; also notes each call's latency under the dialogue it belongs to (its stats)."""
 
     def __init__(self, *args, median: float, sigma: float, **kwargs):

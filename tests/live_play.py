@@ -52,6 +52,7 @@ if __name__ == "__main__" and sys.argv[1:2] != ["serve"]:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import simulator  # noqa: E402
+import talk  # noqa: E402
 
 SETS = Path(__file__).resolve().parent / "data" / "live_play"
 TRAJECTORIES = SETS / "trajectories.json"
@@ -70,7 +71,7 @@ def read_dialogue(path: Path) -> tuple[dict, list[dict]]:
 
 
 def make_user(header: dict):
-    profile = simulator.find_profile(simulator.load_profiles(simulator.DEFAULT_BENCHMARK_PROFILES),
+    profile = talk.find_profile(simulator.load_profiles(simulator.DEFAULT_BENCHMARK_PROFILES),
                                      header["profile"], simulator.DEFAULT_BENCHMARK_PROFILES)
     return profile, simulator.RuleSimulator(profile, variant=header["variant"],
                                             start_emotion=simulator.BENCHMARK_START_EMOTION,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
+import rollout  # noqa: E402
 import simulator  # noqa: E402
 
 NEUTRAL = "I see. Please tell me more about what happened."
@@ -44,7 +45,7 @@ class ProbeArguments:
 
 async def first_change(profile, reply: str, chat, simulator_args: simulator.SimulatorArguments) -> int | None:
     """The emotion change after `reply`, or None if the simulator failed."""
-    sim = simulator.make_simulator(profile, chat, simulator_args, start_emotion=simulator.TRAIN_START_EMOTION,
+    sim = rollout.make_simulator(profile, chat, simulator_args, start_emotion=simulator.TRAIN_START_EMOTION,
                                    max_turns=simulator.PAPER_MAX_TURNS)
     try:
         await sim.open(profile.first_talk or "I had a rough week and I need to talk.")
@@ -78,7 +79,7 @@ def main() -> None:
 
     probe_args, simulator_args = HfArgumentParser((ProbeArguments, simulator.SimulatorArguments)).parse_args_into_dataclasses()
     profiles = simulator.load_profiles(probe_args.profiles)[:probe_args.limit]
-    chat = simulator.make_chat(simulator_args)
+    chat = rollout.make_chat(simulator_args)
 
     async def run():
         if chat is not None:

@@ -20,11 +20,11 @@ from accelerate import Accelerator, InitProcessGroupKwargs  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
-import common  # noqa: E402
+import chat_client  # noqa: E402
 import generation  # noqa: E402
-import vllm_backends  # noqa: E402
 import rollout  # noqa: E402
 import simulator  # noqa: E402
+import vllm_backends  # noqa: E402
 
 out_dir, model_dir, server_url, simulator_url = sys.argv[1:5]
 accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=120))])
@@ -46,7 +46,7 @@ for mode in ("server", "colocate", "transformers"):
         dialogue_args = rollout.DialogueArguments(think=True, max_turns=4, max_think_tokens=8, max_reply_tokens=12,
                                                   max_dialogue_tokens=600, rollout=schedule)
         runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args,
-                                        common.ChatClient(simulator_url, "sim-model", max_retries=0))
+                                        chat_client.ChatClient(simulator_url, "sim-model", max_retries=0))
         trainer = SimpleNamespace(vllm_generation=vllm.get(mode), accelerator=accelerator, args=SimpleNamespace(seed=0),
                                   state=SimpleNamespace(global_step=0))
         if mode == "transformers":  # each rank its own copy (DDP): generate is no collective

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simulator import AnalysisFormatError, parse_analysis
+from llm_user import AnalysisFormatError, parse_analysis
 
 
 @pytest.mark.parametrize("text, change", [

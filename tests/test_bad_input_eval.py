@@ -10,10 +10,13 @@ import pytest
 from conftest import REPO, profile_row, write_jsonl
 from fake_openai import FakeOpenAIServer
 
+import chat_client
 import common
 import eval_general
 import eval_sentient
 import generation
+import llm_user
+import rollout
 import simulator
 
 
@@ -37,7 +40,7 @@ def no_sentient_model(monkeypatch):
     """eval_sentient must not load the tested model (tokenizer or weights) nor the simulator's."""
     monkeypatch.setattr(generation, "load_tokenizer", fail_if_called("load_tokenizer"))
     monkeypatch.setattr(generation, "load_generator", fail_if_called("load_generator"))
-    monkeypatch.setattr(simulator, "LocalChat", fail_if_called("LocalChat"))
+    monkeypatch.setattr(llm_user, "LocalChat", fail_if_called("LocalChat"))
 
 
 @pytest.fixture
@@ -451,7 +454,7 @@ def test_a_tested_model_endpoint_that_never_answers_fails_within_its_bound_and_s
     a call unanswered for a few seconds is said while it waits."""
     import time
 
-    monkeypatch.setattr(common, "WAIT_NOTICE_AFTER", 0.3)
+    monkeypatch.setattr(chat_client, "WAIT_NOTICE_AFTER", 0.3)
     profiles = benchmark_profiles(tmp_path / "bench.jsonl", count=1)
     with FakeOpenAIServer(models=["tested"], default={"hang": 30}) as model:
         started = time.monotonic()
@@ -537,7 +540,7 @@ def test_a_chat_completion_without_content_is_a_failed_call_not_an_empty_answer(
     body = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "tested", "choices": [
         {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": None}}]})
     with FakeOpenAIServer(models=["tested"], default={"raw": body}) as server:
-        client = common.ChatClient(server.base_url, "tested", max_retries=0, role="tested-model")
+        client = chat_client.ChatClient(server.base_url, "tested", max_retries=0, role="tested-model")
         with pytest.raises(common.EndpointError, match="without content"):
             asyncio.run(client.complete([{"role": "user", "content": "hi"}]))
 
@@ -545,7 +548,7 @@ def test_a_chat_completion_without_content_is_a_failed_call_not_an_empty_answer(
 def test_an_openai_base_url_variable_that_is_no_url_is_named_as_the_variable(monkeypatch):
     monkeypatch.setenv("OPENAI_BASE_URL", "localhost:18103/v1")
     with pytest.raises(simulator.SimulatorError, match=r"\$OPENAI_BASE_URL 'localhost:18103/v1' .*pass --base_url"):
-        simulator.make_chat(simulator.SimulatorArguments(backend="llm", simulator_model="m"))
+        rollout.make_chat(simulator.SimulatorArguments(backend="llm", simulator_model="m"))
 
 
 def test_a_profiles_file_saved_with_a_byte_order_mark_reads(tmp_path):

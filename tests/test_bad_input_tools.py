@@ -14,9 +14,10 @@ from test_report import Page, transcript_row
 import plot_training
 import report
 import simulator
+import talk
 
 SCRIPTS = ("train_grpo.py", "train_ppo.py", "eval_sentient.py", "eval_general.py", "report.py", "plot_training.py",
-           "simulator.py")
+           "talk.py")
 LATIN1_ROW = b'{"id": "Jos\xe9", "history": []}\n'  # "José" saved as Latin-1: byte 0xe9 is not UTF-8
 
 
@@ -43,7 +44,7 @@ def exit_message(main, argv) -> str:
 
 
 def simulator_exit(argv) -> str:
-    return exit_message(simulator.main, ["--profile", "en-train-01", *argv])
+    return exit_message(talk.main, ["--profile", "en-train-01", *argv])
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ def test_the_rule_backend_refuses_chinese_first_naming_the_language_option(tmp_p
 def test_a_replies_file_plays_one_turn_per_non_blank_line(tmp_path, capsys):
     replies = tmp_path / "replies.txt"
     replies.write_bytes(b"I am sorry she missed it.\r\n\r\nWhat happened that morning?\r\n")
-    simulator.main(["--profile", "en-train-01", "--replies", str(replies)])
+    talk.main(["--profile", "en-train-01", "--replies", str(replies)])
     out = capsys.readouterr().out
     assert "[turn 2]" in out and "[turn 3]" not in out and "\r" not in out
 
@@ -352,7 +353,7 @@ def test_a_profile_id_with_a_control_character_is_named_with_its_line(tmp_path):
 
 def test_a_missing_profile_id_names_the_file_searched(capsys):
     with pytest.raises(SystemExit) as stopped:
-        simulator.main(["--profile", "en-bench-01"])
+        talk.main(["--profile", "en-bench-01"])
     assert stopped.value.code.startswith(f"error: no profile with id 'en-bench-01' in {simulator.DEFAULT_PROFILES} "
                                          "(--profiles); its ids look like ")
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import chat_client
 import common
 import rollout
 
@@ -289,10 +290,10 @@ def test_a_cut_last_line_is_named_by_its_line_and_its_bytes_after_blank_and_whol
 def test_the_api_key_comes_from_the_named_variable(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "the-default-key")
     monkeypatch.setenv("MY_SIM_KEY", "the-named-key")
-    client = common.ChatClient("http://127.0.0.1:9/v1", "m", api_key_env="MY_SIM_KEY")
+    client = chat_client.ChatClient("http://127.0.0.1:9/v1", "m", api_key_env="MY_SIM_KEY")
     assert client.client.api_key == "the-named-key"
     monkeypatch.delenv("MY_SIM_KEY")
-    assert common.ChatClient("http://127.0.0.1:9/v1", "m", api_key_env="MY_SIM_KEY").client.api_key == "EMPTY"
+    assert chat_client.ChatClient("http://127.0.0.1:9/v1", "m", api_key_env="MY_SIM_KEY").client.api_key == "EMPTY"
 
 
 def test_a_seed_of_zero_is_sent_as_zero():
@@ -301,7 +302,7 @@ def test_a_seed_of_zero_is_sent_as_zero():
     import asyncio
 
     with FakeOpenAIServer(models=["m"], default="ok") as server:
-        client = common.ChatClient(server.base_url, "m")
+        client = chat_client.ChatClient(server.base_url, "m")
         for seed in (0, 3, None):
             assert asyncio.run(client.complete([{"role": "user", "content": "hi"}], seed=seed)) == "ok"
     assert [body.get("seed", "absent") for body in server.requests] == [0, 3, "absent"]
@@ -325,7 +326,7 @@ def test_an_endpoint_that_lists_no_models_is_taken_at_its_word_one_that_lists_ot
     from fake_openai import FakeOpenAIServer
 
     with FakeOpenAIServer(models=served) as server:
-        check = common.ChatClient(server.base_url, "m").check()
+        check = chat_client.ChatClient(server.base_url, "m").check()
         if ok:
             asyncio.run(check)
         else:
@@ -339,7 +340,7 @@ def test_an_endpoint_answer_without_usage_is_taken_and_counts_no_tokens():
     from fake_openai import FakeOpenAIServer
 
     with FakeOpenAIServer([{"text": "Fine.", "usage": False}, "Good."]) as server:
-        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0, timeout=5)
+        chat = chat_client.ChatClient(server.base_url, "sim-model", max_retries=0, timeout=5)
         answers = [asyncio.run(chat.complete([{"role": "user", "content": "How are you?"}])) for _ in range(2)]
     assert answers == ["Fine.", "Good."]
     assert (chat.totals.calls, chat.totals.failed, chat.totals.completion_tokens) == (2, 0, 1)

@@ -25,6 +25,7 @@ import eval_sentient
 import plot_training
 import report
 import simulator
+import talk
 
 # --------------------------------------------------------------------------------------------
 # eval_sentient.py: the bootstrap interval, the summary and the leaderboard
@@ -1014,7 +1015,7 @@ def test_a_closed_stdin_ends_the_typed_dialogue_like_an_empty_line(monkeypatch, 
         raise RuntimeError("input(): lost sys.stdin")
 
     monkeypatch.setattr(builtins, "input", no_stdin)
-    simulator.main(["--profile", "en-train-01"])
+    talk.main(["--profile", "en-train-01"])
     assert "[stopped after 0 turns, emotion 30]" in capsys.readouterr().out
 
 
@@ -1026,5 +1027,5 @@ def test_ctrl_c_while_typing_a_reply_leaves_the_dialogue_in_one_line(monkeypatch
 
     monkeypatch.setattr(builtins, "input", ctrl_c)
     with pytest.raises(SystemExit) as stopped:
-        simulator.main(["--profile", "en-train-01"])
+        talk.main(["--profile", "en-train-01"])
     assert stopped.value.code == 130 and capsys.readouterr().err.endswith("interrupted: the dialogue was left\n")

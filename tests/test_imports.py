@@ -44,12 +44,22 @@ def test_no_two_files_import_each_other_directly_or_through_others():
     assert find_circle(graph) is None
     # What the README's layout section states, file by file.
     assert graph["common"] == graph["official"] == graph["rule_user"] == graph["vllm_backends"] == set()
-    assert graph["generation"] == {"common", "vllm_backends"} and graph["eval_general"] == {"common", "generation"}
+    assert graph["generation"] == {"common", "vllm_backends"} and graph["chat_client"] == {"common"}
     assert graph["simulator"] == {"common", "official", "rule_user"}
-    assert graph["rollout"] == {"common", "generation", "simulator"}
+    assert graph["llm_user"] == {"chat_client", "common", "official", "simulator"}
+    assert graph["rollout"] == {"common", "generation", "llm_user", "simulator"}
     assert graph["preflight"] == {"common", "rollout"}
     assert all({"rollout", "preflight"} <= graph[trainer] for trainer in ("train_grpo", "train_ppo"))
-    assert "rollout" in graph["eval_sentient"]
+    assert "rollout" in graph["eval_sentient"] and "chat_client" in graph["eval_general"]
+
+
+def test_the_backends_are_imported_only_by_the_function_that_needs_them():
+    """The vLLM backends, the LLM users (with the released prompts) and the chat client load only when asked
+    for: no module of ours imports them when it is imported."""
+    on_start = {path.stem: core_lines.our_imports(path, OURS, lazy=False) - {path.stem} for path in REPO.glob("*.py")}
+    backends = {"vllm_backends", "llm_user", "official"}
+    assert {name: imported & backends for name, imported in on_start.items()
+            if imported & backends and name not in backends} == {}
 
 
 def test_the_line_count_follows_lazy_imports_through_our_modules_and_counts_each_file_once(tmp_path):

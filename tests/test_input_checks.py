@@ -10,6 +10,7 @@ import pytest
 
 import common
 import simulator
+import talk
 
 
 def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
@@ -183,7 +184,7 @@ def option_classes():
 
     return [(rollout.DialogueArguments, {}), (simulator.SimulatorArguments, {}), (eval_sentient.EvalArguments, {}),
             (eval_general.GeneralEvalArguments, {}), (train_ppo.PPOArguments, {}),
-            (train_grpo.TurnCreditArguments, {}), (simulator.PlayArguments, {"profile": "en-train-01"})]
+            (train_grpo.TurnCreditArguments, {}), (talk.PlayArguments, {"profile": "en-train-01"})]
 
 
 def rules_of(options_class, required, monkeypatch) -> dict:

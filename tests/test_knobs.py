@@ -8,7 +8,9 @@ import pytest
 from conftest import user_options
 from test_official_prompts import REPO as OFFICIAL_REPO
 
+import chat_client
 import common
+import llm_user
 import rollout
 import rule_user
 import simulator
@@ -199,16 +201,16 @@ def endpoint_flags(**extra) -> list[str]:
 
 
 def check_backend(parse, tokenizer, tmp_path):
-    assert simulator.make_chat(parse([])[1]) is None  # rule
-    assert isinstance(simulator.make_chat(parse(endpoint_flags())[1]), common.ChatClient)
+    assert rollout.make_chat(parse([])[1]) is None  # rule
+    assert isinstance(rollout.make_chat(parse(endpoint_flags())[1]), chat_client.ChatClient)
 
 
 def check_simulator_model(parse, tokenizer, tmp_path):
-    assert simulator.make_chat(parse(endpoint_flags(simulator_model="other"))[1]).model == "other"
+    assert rollout.make_chat(parse(endpoint_flags(simulator_model="other"))[1]).model == "other"
 
 
 def check_base_url(parse, tokenizer, tmp_path):
-    chat = simulator.make_chat(parse(endpoint_flags(base_url="http://127.0.0.1:7/v1"))[1])
+    chat = rollout.make_chat(parse(endpoint_flags(base_url="http://127.0.0.1:7/v1"))[1])
     assert chat.base_url == "http://127.0.0.1:7/v1"
 
 
@@ -217,19 +219,19 @@ def check_api_key_env(parse, tokenizer, tmp_path):
 
     os.environ["KNOB_TEST_KEY"] = "secret-123"
     try:
-        chat = simulator.make_chat(parse(endpoint_flags(api_key_env="KNOB_TEST_KEY"))[1])
+        chat = rollout.make_chat(parse(endpoint_flags(api_key_env="KNOB_TEST_KEY"))[1])
     finally:
         del os.environ["KNOB_TEST_KEY"]
     assert chat.client.api_key == "secret-123"
 
 
 def check_simulator_timeout(parse, tokenizer, tmp_path):
-    assert simulator.make_chat(parse(endpoint_flags(simulator_timeout=7.5))[1]).client.timeout == 7.5
+    assert rollout.make_chat(parse(endpoint_flags(simulator_timeout=7.5))[1]).client.timeout == 7.5
 
 
 def check_simulator_temperature(parse, tokenizer, tmp_path):
-    assert simulator.make_chat(parse(endpoint_flags(simulator_temperature=0.3))[1]).temperature == 0.3
-    assert simulator.make_chat(parse(endpoint_flags())[1]).temperature == 0.7  # ours, by default
+    assert rollout.make_chat(parse(endpoint_flags(simulator_temperature=0.3))[1]).temperature == 0.3
+    assert rollout.make_chat(parse(endpoint_flags())[1]).temperature == 0.7  # ours, by default
 
 
 def generate_threads(tokenizer, dialogue_args) -> set[bool]:
@@ -278,12 +280,12 @@ def check_batch_wait(parse, tokenizer, tmp_path):
 
 
 def check_simulator_max_tokens(parse, tokenizer, tmp_path):
-    assert simulator.make_chat(parse(endpoint_flags(simulator_max_tokens=64))[1]).max_tokens == 64
-    assert simulator.make_chat(parse(endpoint_flags())[1]).max_tokens == 512  # ours, by default
+    assert rollout.make_chat(parse(endpoint_flags(simulator_max_tokens=64))[1]).max_tokens == 64
+    assert rollout.make_chat(parse(endpoint_flags())[1]).max_tokens == 512  # ours, by default
 
 
 def check_simulator_max_retries(parse, tokenizer, tmp_path):
-    assert simulator.make_chat(parse(endpoint_flags(simulator_max_retries=5))[1]).client.max_retries == 5
+    assert rollout.make_chat(parse(endpoint_flags(simulator_max_retries=5))[1]).client.max_retries == 5
 
 
 def check_simulator_parse_attempts(parse, tokenizer, tmp_path):
@@ -393,10 +395,10 @@ def test_no_simulated_user_or_transport_keeps_a_default_of_its_own():
         return {name: parameter.default for name, parameter in inspect.signature(function).parameters.items()
                 if parameter.default is not inspect.Parameter.empty}
 
-    for maker in (simulator.Simulator.__init__, simulator.LLMSimulator.__init__, simulator.OfficialSimulator.__init__,
-                  simulator.make_simulator, simulator.LocalChat.__init__):
+    for maker in (simulator.Simulator.__init__, llm_user.LLMSimulator.__init__, llm_user.OfficialSimulator.__init__,
+                  rollout.make_simulator, llm_user.LocalChat.__init__):
         assert defaults(maker) == {}, maker.__qualname__
-    chat = defaults(common.ChatClient.__init__)
+    chat = defaults(chat_client.ChatClient.__init__)
     assert chat["temperature"] is None and chat["max_tokens"] is None
 
 
@@ -416,13 +418,13 @@ def test_the_dialogue_and_simulator_settings_reach_every_backend(backend, tiny_m
     simulator_args = train_grpo.parse_arguments(["--change_bound", "7", "--simulator_temperature", "0.3",
                                                  "--simulator_max_tokens", "77", "--simulator_parse_attempts", "5",
                                                  *options])[1]
-    chat = simulator.make_chat(simulator_args)
+    chat = rollout.make_chat(simulator_args)
     user = rollout.new_simulator(simulator.load_profiles(dialogue_args.profiles)[0], chat, dialogue_args, simulator_args)
     assert (user.emotion, user.max_turns, user.variant, user.change_bound) == (44, 3, variant, 7)
     if backend != "rule":
         assert user.parse_attempts == 5
     if backend == "official":
-        assert type(user) is simulator.OfficialSimulator
+        assert type(user) is llm_user.OfficialSimulator
         assert (user.analysis_emotion, user.keep_empty) == ("start", False)
     if backend == "llm":
         assert (chat.temperature, chat.max_tokens) == (0.3, 77)

@@ -8,10 +8,15 @@ import pytest
 from conftest import llm_user_options, user_options
 from fake_openai import FakeOpenAIServer
 
+import chat_client
 import common
+import llm_user
 import simulator
-from common import ChatClient, EndpointError
-from simulator import LLMSimulator, SimulatorError
+import talk
+from chat_client import ChatClient
+from common import EndpointError
+from llm_user import LLMSimulator
+from simulator import SimulatorError
 
 
 def run(coroutine):
@@ -264,9 +269,7 @@ def test_an_endpoint_that_never_answers_fails_at_check_within_its_bound(monkeypa
     start-up check gives up after two tries of CHECK_TIMEOUT, not the calls' timeout x retries (8 minutes)."""
     import socket
 
-    import common
-
-    monkeypatch.setattr(common, "CHECK_TIMEOUT", 0.3)
+    monkeypatch.setattr(chat_client, "CHECK_TIMEOUT", 0.3)
     with socket.socket() as listener:  # the kernel completes connections to it; nothing ever reads or answers
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
@@ -316,7 +319,7 @@ def test_a_completion_without_choices_is_a_failed_call_not_an_empty_answer():
 @pytest.mark.parametrize("url", ["127.0.0.1:8000", "http://[::1", "http://localhost:port/v1", "ftp://host/v1"])
 def test_an_endpoint_address_that_is_not_an_http_url_is_refused_while_parsing(url, capsys):
     with pytest.raises(SystemExit) as stopped:
-        simulator.main(["--profile", "en-train-01", "--backend", "llm", "--simulator_model", "m", "--base_url", url])
+        talk.main(["--profile", "en-train-01", "--backend", "llm", "--simulator_model", "m", "--base_url", url])
     assert stopped.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         f"--base_url {url!r}: must be an http(s) URL, e.g. http://localhost:8000/v1")
@@ -379,7 +382,7 @@ def test_prompts_put_the_static_persona_first_so_servers_can_cache_the_prefix(ma
     [system] = systems
     assert profile.player in system and profile.scene in system and "$" not in system
     for name in ("emotion", "state", "change", "reply", "dialogue"):  # the per-turn fields come later
-        assert simulator.load_prompt("en", "system").template.count(f"${name}") == 0
+        assert llm_user.load_prompt("en", "system").template.count(f"${name}") == 0
     analyses = [body["messages"][1]["content"] for body in server.requests if "CHANGE" in body["messages"][1]["content"]]
     assert len(analyses) == 3
     for earlier, later in zip(analyses, analyses[1:]):
@@ -394,7 +397,7 @@ def test_a_simulator_answer_cut_at_max_tokens_fails_the_call_instead_of_becoming
     import common
 
     async def ask(server, **settings):
-        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0, whole_answers=True, **settings)
+        chat = chat_client.ChatClient(server.base_url, "sim-model", max_retries=0, whole_answers=True, **settings)
         return await chat.complete([{"role": "user", "content": "hi"}])
 
     with FakeOpenAIServer([{"text": "Thinking: I feel", "finish_reason": "length"}, "whole"]) as server:

@@ -8,8 +8,10 @@ from conftest import user_options
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import rollout
 import simulator
-from simulator import LLMSimulator, LocalChat, SimulatorError
+from llm_user import LLMSimulator, LocalChat
+from simulator import SimulatorError
 
 
 def test_packaged_model_converts_to_the_same_weights(packaged_model):
@@ -63,10 +65,10 @@ def test_a_model_without_chat_template_is_refused(tiny_model_dir, tmp_path):
 def test_make_chat_explains_missing_options(monkeypatch):
     monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
     with pytest.raises(SimulatorError, match="--simulator_model"):
-        simulator.make_chat(simulator.SimulatorArguments(backend="llm", base_url="http://127.0.0.1:9/v1"))
+        rollout.make_chat(simulator.SimulatorArguments(backend="llm", base_url="http://127.0.0.1:9/v1"))
     with pytest.raises(SimulatorError, match="--base_url"):
-        simulator.make_chat(simulator.SimulatorArguments(backend="llm", simulator_model="m"))
-    assert simulator.make_chat(simulator.SimulatorArguments()) is None
+        rollout.make_chat(simulator.SimulatorArguments(backend="llm", simulator_model="m"))
+    assert rollout.make_chat(simulator.SimulatorArguments()) is None
 
 
 @pytest.mark.parametrize("temperature, sampling", [(0.0, {"do_sample": False}),

@@ -19,9 +19,11 @@ import pytest
 from conftest import official_user_options, user_options
 from fake_openai import FakeOpenAIServer
 
+import chat_client
 import common
 import eval_sentient
 import generation
+import llm_user
 import official
 import rollout
 import simulator
@@ -306,8 +308,8 @@ def test_a_sage_benchmark_dialogue_matches_the_official_loop(name, tmp_path, mon
     result, official_prompts = run_test_npc(tmp_path, profile, script, npc_replies, monkeypatch)
 
     async def ours(server):
-        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
-        user = simulator.OfficialSimulator(profile, chat, official.load("sage", str(REPO)),
+        chat = chat_client.ChatClient(server.base_url, "sim-model", max_retries=0)
+        user = llm_user.OfficialSimulator(profile, chat, official.load("sage", str(REPO)),
                                            **official_user_options(start_emotion=simulator.BENCHMARK_START_EMOTION,
                                                                    max_turns=simulator.BENCHMARK_MAX_TURNS))
         await user.open()
@@ -410,7 +412,7 @@ def test_training_dialogues_with_rlver_prompts_play_as_rlver_did(tiny_model_dir)
         options = simulator.SimulatorArguments(backend="llm", base_url=server.base_url, simulator_model="sim-model",
                                                simulator_prompts="rlver", policy_prompts="rlver", official_repo=str(REPO))
         runner = rollout.DialogueRunner(tokenizer, rollout.DialogueArguments(max_turns=2), options,
-                                        simulator.make_chat(options))
+                                        rollout.make_chat(options))
         try:
             openings = runner.openings([profile])
             (dialogue,) = runner.run([(profile, openings[profile.id])], generate)
@@ -486,8 +488,8 @@ def test_rlvers_released_loop_shows_the_starting_emotion_in_every_analysis_and_t
     said = [player.reply(reply)["content"] for reply in replies]
 
     async def ours(server):
-        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
-        user = simulator.OfficialSimulator(profile, chat, official.load("rlver", str(REPO)),
+        chat = chat_client.ChatClient(server.base_url, "sim-model", max_retries=0)
+        user = llm_user.OfficialSimulator(profile, chat, official.load("rlver", str(REPO)),
                                            **official_user_options(analysis_emotion=analysis_emotion, start_emotion=30,
                                                                    change_bound=100))
         await user.open(opening)

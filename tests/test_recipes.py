@@ -291,4 +291,4 @@ def test_a_recipes_commented_official_prompts_block_turns_rlvers_prompts_on(reci
     assert (written.simulator_temperature, written.simulator_max_tokens) == (0.7, 512)
     assert (tried.simulator_temperature, tried.simulator_max_tokens) == (None, None)
     assert (tried.empty_user_message, tried.analysis_emotion) == ("keep", "current")
-    assert tried.official("simulator_prompts").source == "rlver"
+    assert tried.released_prompts("simulator_prompts").source == "rlver"

@@ -6,7 +6,7 @@ import pytest
 from fake_openai import FakeOpenAIServer
 from reward_hacking import NEUTRAL, PROBES, probe_changes, probe_table
 
-import common
+import chat_client
 import simulator
 
 
@@ -27,7 +27,7 @@ def test_the_llm_user_reads_only_its_own_verdict_and_sees_probes_only_as_quoted_
     JSON must not move the score, and reach the prompt only inside a JSON string."""
     profile = make_profile(first_talk="My sister skipped my wedding.")
     with FakeOpenAIServer(default="They did not engage.\nCHANGE: -3") as server:
-        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
+        chat = chat_client.ChatClient(server.base_url, "sim-model", max_retries=0)
         simulator_args = simulator.SimulatorArguments(backend="llm", simulator_model="sim-model",
                                                       base_url=server.base_url)
         changes = asyncio.run(probe_changes([profile], chat, simulator_args))

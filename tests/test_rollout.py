@@ -6,6 +6,7 @@ import pytest
 from fake_openai import FakeOpenAIServer
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+import chat_client
 import common
 import generation
 import rollout
@@ -152,7 +153,7 @@ def test_the_simulator_never_receives_the_thought(tiny):
     script = Scripted(tokenizer, {chosen[0].id: ["SECRETPLAN she wants an ear</think>", "I am so sorry about the sofas."]},
                       openings)
     with FakeOpenAIServer(["Fine.\nCHANGE: +5", "Okay."]) as server:
-        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
+        chat = chat_client.ChatClient(server.base_url, "sim-model", max_retries=0)
         [dialogue] = run(tokenizer, script, starts, chat=chat, think=True, max_turns=1,
                          max_think_tokens=40, max_reply_tokens=20)
         sent = json.dumps(server.requests)
@@ -372,7 +373,7 @@ def test_a_dialogue_whose_simulator_fails_ends_unscored_and_the_others_go_on(tin
     answers = ["Fine.\nCHANGE: +5", "Okay.", {"status": 500},  # turn 1: d1's analysis fails (no retries here)
                "Good.\nCHANGE: +5", "Thanks."]  # turn 2: only d0 is left
     with FakeOpenAIServer(answers) as server:
-        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
+        chat = chat_client.ChatClient(server.base_url, "sim-model", max_retries=0)
         d0, d1 = run(tokenizer, script, starts, chat=chat, max_turns=2, simulator_concurrency=1)
         assert not server.script  # every scripted answer was asked for, no more
     assert d1.end_reason == "simulator_failed" and "500" in d1.failure and len(d1.reply_texts) == 1

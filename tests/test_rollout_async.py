@@ -10,11 +10,11 @@ import torch
 from conftest import SlowUser, serving, two_ranks
 from fake_openai import FakeOpenAIServer
 
-import common
+import chat_client
 import generation
-import vllm_backends
 import rollout
 import simulator
+import vllm_backends
 
 TESTS = Path(__file__).resolve().parent
 
@@ -58,7 +58,7 @@ def play(tokenizer, generate, schedule: str, think: bool, user=None, profiles=4,
         runner.close()
         return return_dialogues
     with FakeOpenAIServer(respond=user) as server:
-        chat = common.ChatClient(server.base_url, "sim-model", max_retries=0)
+        chat = chat_client.ChatClient(server.base_url, "sim-model", max_retries=0)
         runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator.SimulatorArguments(
             backend="llm", base_url=server.base_url, simulator_model="sim-model"), chat)
         dialogues = runner.run([(p, "I had a rough week.") for p in chosen for _ in range(repeats)], generate)

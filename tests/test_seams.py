@@ -64,7 +64,7 @@ def test_the_simulator_endpoints_requests_carry_exactly_the_flags_values(trainer
         dialogue_args, simulator_args = TRAINERS[trainer](flags(
             backend="llm", base_url=server.base_url, simulator_model="served-user", simulator_temperature=0.3,
             simulator_max_tokens=77, simulator_timeout=9, simulator_max_retries=1))
-        chat = simulator.make_chat(simulator_args)
+        chat = rollout.make_chat(simulator_args)
         user = rollout.new_simulator(simulator.load_profiles(dialogue_args.profiles)[0], chat, dialogue_args,
                                      simulator_args)
 
@@ -89,7 +89,7 @@ def test_the_simulator_endpoint_is_tried_once_more_than_simulator_max_retries(re
     with FakeOpenAIServer(default=FAST_RETRY) as server:
         _, simulator_args = TRAINERS["grpo"](flags(backend="llm", base_url=server.base_url, simulator_model="sim-model",
                                                    simulator_max_retries=retries))
-        chat = simulator.make_chat(simulator_args)
+        chat = rollout.make_chat(simulator_args)
         with pytest.raises(common.EndpointError, match="failed after retries"):
             asyncio.run(chat.complete([{"role": "user", "content": "hi"}]))
     assert len(server.requests) == retries + 1
@@ -102,7 +102,7 @@ def test_an_answer_cut_at_max_tokens_fails_a_simulator_call_but_is_a_tested_mode
     with FakeOpenAIServer(models=("sim-model", "served"), default=cut) as server:
         _, simulator_args = TRAINERS["grpo"](flags(backend="llm", base_url=server.base_url, simulator_model="sim-model"))
         with pytest.raises(common.EndpointError, match="finish_reason length"):
-            asyncio.run(simulator.make_chat(simulator_args).complete([{"role": "user", "content": "hi"}]))
+            asyncio.run(rollout.make_chat(simulator_args).complete([{"role": "user", "content": "hi"}]))
         backend = eval_general.make_backend(general_arguments(flags(model="served", model_base_url=server.base_url)))
         assert backend([[{"role": "user", "content": "2+2?"}]], 5, seed=0) == ["Analysis: they"]
 
@@ -391,7 +391,7 @@ def test_the_backend_decides_whether_a_runner_takes_a_chat(tokenizer):
     """Both ways: a chat with --backend rule is refused, as is no chat with an LLM backend; each right pairing runs."""
     rule = simulator.SimulatorArguments()
     llm = simulator.SimulatorArguments(backend="llm", simulator_model="m", base_url="http://127.0.0.1:9/v1")
-    chat = simulator.make_chat(llm)
+    chat = rollout.make_chat(llm)
     for simulator_args, given in ((rule, chat), (llm, None)):
         with pytest.raises(ValueError):
             rollout.DialogueRunner(tokenizer, rollout.DialogueArguments(), simulator_args, given)
@@ -460,7 +460,7 @@ def test_each_endpoint_gets_the_key_its_own_variable_names(monkeypatch):
         for key_flags in (["--api_key_env", "SIM_KEY"], []):
             _, simulator_args = TRAINERS["ppo"](flags(backend="llm", base_url=server.base_url,
                                                       simulator_model="sim-model") + key_flags)
-            asyncio.run(simulator.make_chat(simulator_args).complete(message))
+            asyncio.run(rollout.make_chat(simulator_args).complete(message))
         for key_flags in (["--model_api_key_env", "MODEL_KEY"], []):
             args = general_arguments(flags(model="served", model_base_url=server.base_url) + key_flags)
             eval_general.make_backend(args)([message], 5, seed=0)
@@ -480,7 +480,7 @@ def test_at_most_simulator_concurrency_users_call_their_endpoint_at_once(concurr
         dialogue_args, simulator_args = TRAINERS["grpo"](flags(
             backend="llm", base_url=server.base_url, simulator_model="sim-model", max_turns=1,
             simulator_concurrency=concurrency))
-        runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, simulator.make_chat(simulator_args))
+        runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, rollout.make_chat(simulator_args))
         profiles = simulator.load_profiles(dialogue_args.profiles)[:5]
         openings = runner.openings(profiles)
         runner.run([(profile, openings[profile.id]) for profile in profiles], generate)
@@ -566,7 +566,7 @@ def test_a_simulator_temperature_of_zero_is_sent_as_zero(temperature):
     with FakeOpenAIServer(default="Fine.") as server:
         _, simulator_args = TRAINERS["grpo"](flags(backend="llm", base_url=server.base_url, simulator_model="sim-model",
                                                    simulator_temperature=temperature))
-        asyncio.run(simulator.make_chat(simulator_args).complete([{"role": "user", "content": "hi"}]))
+        asyncio.run(rollout.make_chat(simulator_args).complete([{"role": "user", "content": "hi"}]))
     assert server.requests[0]["temperature"] == temperature
 
 

@@ -19,10 +19,13 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import common
+import llm_user
 import official
 import rule_user
+import rollout
 import simulator
-from simulator import LLMSimulator, ProfileError, SimulatorError
+from llm_user import LLMSimulator
+from simulator import ProfileError, SimulatorError
 from test_official_prompts import REPO, ZH_TASK, Exhausted, needs_repo
 from test_official_prompts import Recorder as Script
 
@@ -515,7 +518,7 @@ def official_analysis(change):
 
 async def official_turns(source, answers, replies, **options):
     chat = RecordingChat(answers)
-    user = simulator.OfficialSimulator(zh_profile(), chat, official.load(source, str(REPO)), **official_user_options(**options))
+    user = llm_user.OfficialSimulator(zh_profile(), chat, official.load(source, str(REPO)), **official_user_options(**options))
     await user.open()
     turns = [await user.respond(reply) for reply in replies]
     return user, chat, turns
@@ -676,10 +679,10 @@ def test_cues_are_counted_once_where_they_overlap_and_twice_where_they_only_touc
 
 def test_the_simulators_base_url_flag_beats_the_environment(monkeypatch):
     monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/from-env")
-    given = simulator.make_chat(simulator.SimulatorArguments(backend="llm", simulator_model="m",
+    given = rollout.make_chat(simulator.SimulatorArguments(backend="llm", simulator_model="m",
                                                              base_url="http://127.0.0.1:9/from-flag"))
     assert given.base_url == "http://127.0.0.1:9/from-flag"
-    assert simulator.make_chat(simulator.SimulatorArguments(backend="llm", simulator_model="m")).base_url == \
+    assert rollout.make_chat(simulator.SimulatorArguments(backend="llm", simulator_model="m")).base_url == \
         "http://127.0.0.1:9/from-env"
 
 
@@ -747,7 +750,7 @@ def test_the_simulator_options_take_a_change_bound_from_1_to_100(bound, accepted
 
 def test_the_dialogue_quoted_to_the_simulator_keeps_every_script_as_written():
     """The simulator reads the text a user wrote, not JSON escapes of it (a Chinese dialogue stays Chinese)."""
-    quoted = simulator.quoted_dialogue([{"role": "user", "content": "我妹妹没来我的婚礼。"},
+    quoted = llm_user.quoted_dialogue([{"role": "user", "content": "我妹妹没来我的婚礼。"},
                                         {"role": "assistant", "content": "That \"hurt\", café."}])
     assert quoted.splitlines() == ['{"speaker": "me", "text": "我妹妹没来我的婚礼。"}',
                                    '{"speaker": "them", "text": "That \\"hurt\\", café."}']
