@@ -5,7 +5,8 @@
     accelerate launch --config_file accelerate_configs/zero2.yaml train_ppo.py \
         --config recipes/ppo_qwen2.5-7b_think.yaml    # the paper's run: GPUs, an LLM simulated user
 
-One step, as `main` numbers it:
+Read top to bottom: the options, the set-up, then each step's helpers in the order of the step, and `main`
+last, the loop over steps. One step, as `main` numbers it:
 1. Rollout (`rollout.py`): profiles_per_step x dialogues_per_profile dialogues. A row is one whole dialogue,
    its action mask 1 on the tokens the policy sampled and 0 on everything inserted (user turns, tags).
 2. Old log-probs (policy) and values (critic) at every action.
@@ -50,6 +51,10 @@ import preflight
 import rollout
 import simulator
 
+
+# --------------------------------------------------------------------------------------------
+# Options
+# --------------------------------------------------------------------------------------------
 
 @dataclass
 class PPOArguments:
@@ -120,8 +125,31 @@ class PPOArguments:
             seed=common.SEED, vllm_server_port=(lambda value: 1 <= value <= 65535, "within 1-65535"))
 
 
+def parse_arguments(argv=None):
+    """(PPO, dialogue, simulator) arguments: the defaults, then the --config YAML, then flags (TrlParser)."""
+    argv = sys.argv[1:] if argv is None else argv
+    return common.parse_arguments(TrlParser((PPOArguments, rollout.DialogueArguments, simulator.SimulatorArguments)),
+                                  argv)
+
+
+def check_inputs(args: PPOArguments, dialogue_args, simulator_args) -> tuple[str, list]:
+    """(the policy's folder, the profiles), after refusing what would fail only once the models loaded."""
+    preflight.check_tracker(args.report_to)
+    common.check_vllm(args.use_vllm)
+    common.check_output_folder(args.output_dir, "output_dir")  # else found at the first step's writes, the step lost
+    policy_path = common.resolve_model(args.model_name_or_path, "model_name_or_path")
+    if args.critic_model_name_or_path:
+        common.check_model_source(args.critic_model_name_or_path, "critic_model_name_or_path")
+    profiles = simulator.load_playable_profiles(dialogue_args.profiles, simulator_args, dialogue_args.think)
+    preflight.check_addresses_on_several_nodes(simulator_args)  # --use_vllm takes one process
+    return policy_path, profiles
+
+
+PPO_RUN_SETTINGS = ("critic_model_name_or_path", "per_turn_rows", "gamma", "lam", "kl_coef")  # with common.RUN_SETTINGS
+
+
 # --------------------------------------------------------------------------------------------
-# Models
+# Set-up: the models, the optimizer, the seeds
 # --------------------------------------------------------------------------------------------
 
 class Critic(torch.nn.Module):
@@ -202,9 +230,172 @@ def prepare(accelerator, model: PolicyAndCritic, optimizer, args: PPOArguments):
     return accelerator.prepare(model, optimizer)
 
 
+def seed_everything(seed: int, rank: int) -> None:
+    """Python's, NumPy's and torch's RNGs; torch's differs per rank, so ranks sample different dialogues."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed + rank)
+
+
+def set_up_models(args: PPOArguments, accelerator, checkpoint: Path | None, start_step: int):
+    """(policy and critic prepared as one module, their optimizer, frozen reference or None), restored
+    from `checkpoint` if given."""
+    model, reference = load_models(args)
+    if (not args.use_peft and model.policy.dtype != torch.float32
+            and accelerator.distributed_type != DistributedType.DEEPSPEED):
+        raise SystemExit(f"a full fine-tune of {model.policy.dtype} weights needs fp32 master weights: launch with "
+                         "--config_file accelerate_configs/zero2.yaml (DeepSpeed), or pass --dtype float32")
+    model, optimizer = prepare(accelerator, model, make_optimizer(model, args), args)
+    if checkpoint is not None:
+        load_checkpoint(checkpoint, model, optimizer, accelerator)
+        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+    if reference is not None:
+        reference.to(accelerator.device)
+    return model, optimizer, reference
+
+
 # --------------------------------------------------------------------------------------------
-# The batch: padded rows, action mask, log-probs, values
+# Run files, checkpoints and resume
 # --------------------------------------------------------------------------------------------
+
+CHECKPOINT_MEMBERS = ("state.pt", "critic.pt", "policy")  # what save_checkpoint writes on every launch
+
+
+def run_files(output_dir: Path, accelerator) -> tuple[Path, Path]:
+    """(this process's transcripts, the run's metrics): a transcripts file per rank when there are several;
+    one metrics file, the steps' metrics over every rank, written by the main process."""
+    suffix = "" if accelerator.num_processes == 1 else f".rank{accelerator.process_index}"
+    return output_dir / f"transcripts{suffix}.jsonl", output_dir / "metrics.jsonl"
+
+
+def save_policy(folder: Path, model: PolicyAndCritic, tokenizer) -> None:
+    """The policy with its tokenizer, so that the evaluations can load the folder as a model."""
+    model.policy.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def save_checkpoint(folder: Path, step: int, model, optimizer, tokenizer, accelerator) -> None:
+    """Called on every rank: under DeepSpeed each rank holds a shard of the optimizer, which the engine
+    saves (with every rank's RNG) into deepspeed/. Elsewhere the optimizer is whole on rank 0."""
+    common.check_run_folder_kept(folder.parent)
+    partial = folder.with_name(folder.name + ".partial")
+    if accelerator.is_main_process and partial.exists():
+        shutil.rmtree(partial)  # a save of this run killed midway
+    accelerator.wait_for_everyone()
+    networks = accelerator.unwrap_model(model)
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    if deepspeed:
+        accelerator.save_state(partial / "deepspeed")
+    if accelerator.is_main_process:
+        partial.mkdir(parents=True, exist_ok=True)
+        save_policy(partial / "policy", networks, tokenizer)  # what the evaluations load
+        torch.save(networks.critic.state_dict(), partial / "critic.pt")
+        torch.save({"step": step, "optimizer": None if deepspeed else optimizer.state_dict(),
+                    "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                            "torch": torch.get_rng_state()}},
+                   partial / "state.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if folder.exists():
+            shutil.rmtree(folder)  # a broken checkpoint of this run, passed over when it resumed
+        partial.rename(folder)  # a checkpoint folder appears only once complete
+
+
+def checkpoint_step(folder: Path) -> int:
+    """The step a checkpoint's state holds (read without loading the optimizer's tensors)."""
+    return torch.load(folder / "state.pt", weights_only=False, mmap=True)["step"]
+
+
+def load_checkpoint(folder: Path, model, optimizer, accelerator) -> int:
+    """Restore a checkpoint into the prepared model and optimizer; returns its step."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = torch.load(folder / "state.pt", weights_only=False)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        accelerator.load_state(folder / "deepspeed")  # weights, optimizer shards and every rank's RNG
+        return state["step"]
+    networks = accelerator.unwrap_model(model)
+    adapter = folder / "policy" / "adapter_model.safetensors"
+    if adapter.is_file():
+        set_peft_model_state_dict(networks.policy, load_file(adapter))
+    else:
+        networks.policy.load_state_dict(AutoModelForCausalLM.from_pretrained(folder / "policy").state_dict())
+    networks.critic.load_state_dict(torch.load(folder / "critic.pt"))
+    optimizer.load_state_dict(state["optimizer"])
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+    torch.set_rng_state(state["rng"]["torch"])
+    return state["step"]
+
+
+def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_steps: int, max_steps: int,
+                 accelerator):
+    """(newest checkpoint or None, the step to start at), after dropping the rows of the steps that will be
+    played again. Without a checkpoint a run resumes at step 0, as a run resumes at its last checkpoint:
+    the rows written since were of steps that are played again, so they go, with a note. (Refusing instead
+    would leave the user to delete the same rows by hand.) A finished run without checkpoints is refused:
+    starting it over would overwrite the policy it saved, and so is a resume with no steps left to train."""
+    checkpoint = common.newest_whole_checkpoint(output_dir, CHECKPOINT_MEMBERS, accelerator.print, checkpoint_step)
+    if checkpoint is None and transcripts.exists() and (output_dir / "critic.pt").is_file():
+        raise common.InputError(f"--resume: {output_dir} holds a finished run without checkpoints (none every "
+                                f"--save_steps {save_steps}), so there is nothing to continue; choose another "
+                                "--output_dir for a new run")
+    step = 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
+    common.check_steps_left("--resume", checkpoint, step, max_steps)
+    rollout.check_rows_up_to([transcripts], step)
+    if accelerator.is_main_process:
+        rollout.check_rows_up_to([metrics_file], step, "metrics file")
+    dropped = (rollout.keep_rows_before(transcripts, step),
+               rollout.keep_rows_before(metrics_file, step, "metrics file") if accelerator.is_main_process else 0)
+    if checkpoint is None and any(dropped):
+        accelerator.print(f"--resume: no checkpoint in {output_dir} yet (the run stopped before its first save, at "
+                          f"step {save_steps}): starting again at step 0; dropped the {dropped[0]} transcript rows "
+                          f"and {dropped[1]} metrics rows it wrote, as those steps are played again")
+    return checkpoint, step
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Rollout: the step's profiles and generator; the batch of padded rows and their action mask
+# --------------------------------------------------------------------------------------------
+
+def step_profiles(profiles: list, args: PPOArguments, step: int, accelerator) -> list:
+    """This rank's profiles at `step`: consecutive slices of shuffled passes over all profiles, drawn from
+    their own seeded RNG, so a resumed run plays what the uninterrupted run would have."""
+    per_step = args.profiles_per_step * accelerator.num_processes  # each rank plays its own profiles
+    order, shuffled = random.Random(args.seed), []
+    while len(shuffled) < (step + 1) * per_step:
+        shuffled += order.sample(profiles, len(profiles))
+    offset = step * per_step + accelerator.process_index * args.profiles_per_step
+    return shuffled[offset:offset + args.profiles_per_step]
+
+
+def policy_generator(vllm_server, policy, tokenizer, args: PPOArguments, dialogue_args, step: int):
+    """The rollout's `generate`: the vLLM server after the policy's current weights are pushed to it (with
+    --rollout async, a request for each turn, seeded by the step), or a fresh transformers generator over the
+    policy (a generator serves one set of weights)."""
+    if vllm_server is not None:
+        vllm_server.push_weights(policy)
+        if dialogue_args.rollout == "async":
+            return vllm_server.turns(args.seed, step, rank=0)  # one process (preflight.check_launch)
+        return vllm_server
+    return generation.TransformersGenerator(policy, tokenizer, generation.sampling_config(tokenizer, args.temperature),
+                                            dialogue_args.prefix_cache)
+
+
+def stop_if_simulators_failed(dialogues, step: int, dialogue_args, output_dir: Path, model, optimizer, tokenizer,
+                              accelerator) -> None:
+    """Exit, after saving the state before this step, when the simulators of more of its dialogues than
+    max_failed_share allows failed. Every rank stops here together: check_failures agrees across them."""
+    try:
+        rollout.check_failures(dialogues, dialogue_args.max_failed_share, accelerator)
+    except rollout.TooManySimulatorFailures as error:
+        folder = output_dir / f"checkpoint-{step}"
+        if step > 0 and not folder.exists():
+            save_checkpoint(folder, step, model, optimizer, tokenizer, accelerator)
+        saved = f"{folder} holds the state before it; continue with --resume" if step > 0 else "nothing to save yet"
+        raise SystemExit(f"stopped at step {step} ({saved}): {error}") from None
+
 
 def dialogue_row(dialogue) -> tuple[list[int], list[int]]:
     """One dialogue as one row: (token ids, action mask), the mask 1 on tokens the policy sampled."""
@@ -266,6 +457,10 @@ def pad_batch(rows: list[tuple], pad_id: int, device) -> dict:
             "attention_mask": tensor([[1] * len(row[0]) + [0] * pad for row, pad in zip(rows, padding)], torch.long),
             "action_mask": tensor([row[1] + [0] * pad for row, pad in zip(rows, padding)], torch.float)}
 
+
+# --------------------------------------------------------------------------------------------
+# 2. Old log-probs (policy and reference) and values (critic) at every action
+# --------------------------------------------------------------------------------------------
 
 # Action positions whose logits are computed at once. The output layer's logits are by far the widest
 # tensors (vocab 152064 for Qwen2.5: 0.6 GB per 1024 positions in fp32, in a few copies), so
@@ -351,6 +546,19 @@ def old_logprobs_and_values(model, batch: dict, order: list[int], temperature: f
     return old_logprobs, old_values * batch["action_mask"], untrained_forward
 
 
+def reference_logprobs(reference, batch: dict, temperature: float):
+    """The frozen reference's log-probs at the actions (None without a reference: kl_coef 0)."""
+    if reference is None:
+        return None
+    with torch.no_grad():
+        return token_logprobs(reference, batch["input_ids"], batch["attention_mask"], batch["action_mask"],
+                              temperature)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Rewards and 4. GAE, over every rank's actions
+# --------------------------------------------------------------------------------------------
+
 def place_rewards(action_mask, rewards_at: list[dict], logprobs=None, ref_logprobs=None, kl_coef: float = 0.0):
     """Each row's rewards at their positions ({position: reward}, from dialogue_rows); minus
     kl_coef * (logp - ref_logp) on every action."""
@@ -417,6 +625,10 @@ def whiten(values, mask):
     std = step_mean((values - mean) ** 2, mask).sqrt()
     return torch.where(mask > 0, (values - mean) / (std + 1e-8), torch.zeros_like(values))
 
+
+# --------------------------------------------------------------------------------------------
+# 5. The update: losses, one optimizer step per minibatch, the epochs
+# --------------------------------------------------------------------------------------------
 
 def ppo_losses(new_logprobs, entropy, new_values, batch, args: PPOArguments, action_count=None):
     """Clipped policy loss with entropy bonus, and clipped value loss, as means over actions; over
@@ -486,77 +698,79 @@ def ppo_update(accelerator, model, optimizer, minibatch: dict, args: PPOArgument
     return dict(zip(names, (shares / processes).tolist()))
 
 
+def ppo_epochs(accelerator, model, optimizer, batch: dict, epoch_orders: list[list[int]], untrained_forward,
+               args: PPOArguments) -> list[dict]:
+    """Each epoch's minibatches in that epoch's order, one ppo_update each; the very first micro-batch
+    reuses `untrained_forward`, its forward pass made while scoring the old log-probs. Returns their stats.
+
+    Every rank makes as many optimizer steps as the rank with the most rows needs (minibatches of at
+    most minibatch_size rows); each rank shares its micro-batches of micro_batch_size rows out over
+    them as evenly as whole micro-batches allow, in order, so that each step takes a like share of
+    every rank's rows (10 rows, minibatch_size 8, micro_batch_size 2: minibatches of 6 and 4 rows)."""
+    device = batch["action_mask"].device
+    minibatches = max(1, most_over_ranks(-(-len(epoch_orders[0]) // args.minibatch_size), device))
+    stats = []
+    for epoch, order in enumerate(epoch_orders):
+        micro_batches = [order[start:start + args.micro_batch_size]
+                         for start in range(0, len(order), args.micro_batch_size)]
+        for index in range(minibatches):
+            shared = micro_batches[-(-len(micro_batches) * index // minibatches):  # the larger shares first
+                                   -(-len(micro_batches) * (index + 1) // minibatches)]
+            minibatch = select_rows(batch, [row for micro_batch in shared for row in micro_batch])
+            stats.append(ppo_update(accelerator, model, optimizer, minibatch, args,
+                                    untrained_forward if epoch == 0 and index == 0 else None))
+    return stats
+
+
 # --------------------------------------------------------------------------------------------
-# Checkpoints
+# Logging and stopping
 # --------------------------------------------------------------------------------------------
 
-def save_policy(folder: Path, model: PolicyAndCritic, tokenizer) -> None:
-    """The policy with its tokenizer, so that the evaluations can load the folder as a model."""
-    model.policy.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+def value_metrics(returns, old_values, action_mask) -> dict[str, float]:
+    """The critic's mean value and explained variance (1 - Var(returns - values) / Var(returns)) over the
+    step's actions (every rank's)."""
+    errors = returns - old_values
+    unexplained = step_mean((errors - step_mean(errors, action_mask)) ** 2, action_mask)
+    spread = step_mean((returns - step_mean(returns, action_mask)) ** 2, action_mask)
+    return {"ppo/value_mean": step_mean(old_values, action_mask).item(),
+            "ppo/explained_variance": (1 - unexplained / spread.clamp(min=1e-8)).item()}
 
 
-def save_checkpoint(folder: Path, step: int, model, optimizer, tokenizer, accelerator) -> None:
-    """Called on every rank: under DeepSpeed each rank holds a shard of the optimizer, which the engine
-    saves (with every rank's RNG) into deepspeed/. Elsewhere the optimizer is whole on rank 0."""
-    common.check_run_folder_kept(folder.parent)
-    partial = folder.with_name(folder.name + ".partial")
-    if accelerator.is_main_process and partial.exists():
-        shutil.rmtree(partial)  # a save of this run killed midway
-    accelerator.wait_for_everyone()
-    networks = accelerator.unwrap_model(model)
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    if deepspeed:
-        accelerator.save_state(partial / "deepspeed")
+def step_dialogues(dialogues, final_rewards: list[float], accelerator) -> tuple[dict, list[float]]:
+    """(dialogue columns, final rewards of the scored dialogues) of every rank's dialogues of the step."""
+    columns, rewards = rollout.dialogue_columns(dialogues), list(final_rewards)
+    if accelerator.num_processes > 1:
+        every = gather_object([(columns, rewards)])
+        columns = {key: [value for rank_columns, _ in every for value in rank_columns[key]] for key in columns}
+        rewards = [reward for _, rank_rewards in every for reward in rank_rewards]
+    return columns, rewards
+
+
+def log_step(metrics: dict, dialogues, step: int, transcripts: Path, metrics_file: Path, args: PPOArguments,
+             think: bool, accelerator) -> None:
+    """This rank's transcripts; the step's metrics row (every rank's: main process), console line and tracker."""
+    common.check_run_folder_kept(transcripts.parent)
+    rollout.write_transcripts(transcripts, dialogues, step=step)
     if accelerator.is_main_process:
-        partial.mkdir(parents=True, exist_ok=True)
-        save_policy(partial / "policy", networks, tokenizer)  # what the evaluations load
-        torch.save(networks.critic.state_dict(), partial / "critic.pt")
-        torch.save({"step": step, "optimizer": None if deepspeed else optimizer.state_dict(),
-                    "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                            "torch": torch.get_rng_state()}},
-                   partial / "state.pt")
-    accelerator.wait_for_everyone()
+        common.append_rows_kept(metrics_file, [metrics])
+        accelerator.print(rollout.step_line(step + 1, args.max_steps, metrics, think))
+    if args.report_to != "none":
+        accelerator.log(metrics, step=step)
+
+
+def stop_interrupted(output_dir: Path, step: int, saved: bool, model, optimizer, tokenizer, accelerator) -> None:
+    """Ctrl-C (common.StopRequest): save the state before `step` unless this step `saved` it, mark the run,
+    exit 130. Not decided by the folder's presence: a broken checkpoint passed over at resume may hold the name."""
+    folder = output_dir / f"checkpoint-{step}"
+    if not saved:
+        save_checkpoint(folder, step, model, optimizer, tokenizer, accelerator)
     if accelerator.is_main_process:
-        if folder.exists():
-            shutil.rmtree(folder)  # a broken checkpoint of this run, passed over when it resumed
-        partial.rename(folder)  # a checkpoint folder appears only once complete
-
-
-def checkpoint_step(folder: Path) -> int:
-    """The step a checkpoint's state holds (read without loading the optimizer's tensors)."""
-    return torch.load(folder / "state.pt", weights_only=False, mmap=True)["step"]
-
-
-def load_checkpoint(folder: Path, model, optimizer, accelerator) -> int:
-    """Restore a checkpoint into the prepared model and optimizer; returns its step."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    state = torch.load(folder / "state.pt", weights_only=False)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        accelerator.load_state(folder / "deepspeed")  # weights, optimizer shards and every rank's RNG
-        return state["step"]
-    networks = accelerator.unwrap_model(model)
-    adapter = folder / "policy" / "adapter_model.safetensors"
-    if adapter.is_file():
-        set_peft_model_state_dict(networks.policy, load_file(adapter))
-    else:
-        networks.policy.load_state_dict(AutoModelForCausalLM.from_pretrained(folder / "policy").state_dict())
-    networks.critic.load_state_dict(torch.load(folder / "critic.pt"))
-    optimizer.load_state_dict(state["optimizer"])
-    random.setstate(state["rng"]["python"])
-    np.random.set_state(state["rng"]["numpy"])
-    torch.set_rng_state(state["rng"]["torch"])
-    return state["step"]
-
-
-PPO_RUN_SETTINGS = ("critic_model_name_or_path", "per_turn_rows", "gamma", "lam", "kl_coef")  # with common.RUN_SETTINGS
-CHECKPOINT_MEMBERS = ("state.pt", "critic.pt", "policy")  # what save_checkpoint writes on every launch
+        common.note_interruption(output_dir, step - 1, folder, common.resume_command("--resume"))
+    raise SystemExit(130)
 
 
 # --------------------------------------------------------------------------------------------
-# Training: main in the order of the module docstring's steps, its helpers below it
+# Training: main, in the order of the module docstring's steps; its helpers are above
 # --------------------------------------------------------------------------------------------
 
 def main(argv=None) -> None:
@@ -675,197 +889,6 @@ def main(argv=None) -> None:
     accelerator.end_training()
     runner.close()
     accelerator.print(f"read the dialogues: {common.script_command('report.py')} {shlex.quote(str(output_dir))}")
-
-
-def parse_arguments(argv=None):
-    """(PPO, dialogue, simulator) arguments: the defaults, then the --config YAML, then flags (TrlParser)."""
-    argv = sys.argv[1:] if argv is None else argv
-    return common.parse_arguments(TrlParser((PPOArguments, rollout.DialogueArguments, simulator.SimulatorArguments)),
-                                  argv)
-
-
-def check_inputs(args: PPOArguments, dialogue_args, simulator_args) -> tuple[str, list]:
-    """(the policy's folder, the profiles), after refusing what would fail only once the models loaded."""
-    preflight.check_tracker(args.report_to)
-    common.check_vllm(args.use_vllm)
-    common.check_output_folder(args.output_dir, "output_dir")  # else found at the first step's writes, the step lost
-    policy_path = common.resolve_model(args.model_name_or_path, "model_name_or_path")
-    if args.critic_model_name_or_path:
-        common.check_model_source(args.critic_model_name_or_path, "critic_model_name_or_path")
-    profiles = simulator.load_playable_profiles(dialogue_args.profiles, simulator_args, dialogue_args.think)
-    preflight.check_addresses_on_several_nodes(simulator_args)  # --use_vllm takes one process
-    return policy_path, profiles
-
-
-def run_files(output_dir: Path, accelerator) -> tuple[Path, Path]:
-    """(this process's transcripts, the run's metrics): a transcripts file per rank when there are several;
-    one metrics file, the steps' metrics over every rank, written by the main process."""
-    suffix = "" if accelerator.num_processes == 1 else f".rank{accelerator.process_index}"
-    return output_dir / f"transcripts{suffix}.jsonl", output_dir / "metrics.jsonl"
-
-
-def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_steps: int, max_steps: int,
-                 accelerator):
-    """(newest checkpoint or None, the step to start at), after dropping the rows of the steps that will be
-    played again. Without a checkpoint a run resumes at step 0, as a run resumes at its last checkpoint:
-    the rows written since were of steps that are played again, so they go, with a note. (Refusing instead
-    would leave the user to delete the same rows by hand.) A finished run without checkpoints is refused:
-    starting it over would overwrite the policy it saved, and so is a resume with no steps left to train."""
-    checkpoint = common.newest_whole_checkpoint(output_dir, CHECKPOINT_MEMBERS, accelerator.print, checkpoint_step)
-    if checkpoint is None and transcripts.exists() and (output_dir / "critic.pt").is_file():
-        raise common.InputError(f"--resume: {output_dir} holds a finished run without checkpoints (none every "
-                                f"--save_steps {save_steps}), so there is nothing to continue; choose another "
-                                "--output_dir for a new run")
-    step = 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
-    common.check_steps_left("--resume", checkpoint, step, max_steps)
-    rollout.check_rows_up_to([transcripts], step)
-    if accelerator.is_main_process:
-        rollout.check_rows_up_to([metrics_file], step, "metrics file")
-    dropped = (rollout.keep_rows_before(transcripts, step),
-               rollout.keep_rows_before(metrics_file, step, "metrics file") if accelerator.is_main_process else 0)
-    if checkpoint is None and any(dropped):
-        accelerator.print(f"--resume: no checkpoint in {output_dir} yet (the run stopped before its first save, at "
-                          f"step {save_steps}): starting again at step 0; dropped the {dropped[0]} transcript rows "
-                          f"and {dropped[1]} metrics rows it wrote, as those steps are played again")
-    return checkpoint, step
-
-
-def seed_everything(seed: int, rank: int) -> None:
-    """Python's, NumPy's and torch's RNGs; torch's differs per rank, so ranks sample different dialogues."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed + rank)
-
-
-def set_up_models(args: PPOArguments, accelerator, checkpoint: Path | None, start_step: int):
-    """(policy and critic prepared as one module, their optimizer, frozen reference or None), restored
-    from `checkpoint` if given."""
-    model, reference = load_models(args)
-    if (not args.use_peft and model.policy.dtype != torch.float32
-            and accelerator.distributed_type != DistributedType.DEEPSPEED):
-        raise SystemExit(f"a full fine-tune of {model.policy.dtype} weights needs fp32 master weights: launch with "
-                         "--config_file accelerate_configs/zero2.yaml (DeepSpeed), or pass --dtype float32")
-    model, optimizer = prepare(accelerator, model, make_optimizer(model, args), args)
-    if checkpoint is not None:
-        load_checkpoint(checkpoint, model, optimizer, accelerator)
-        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
-    if reference is not None:
-        reference.to(accelerator.device)
-    return model, optimizer, reference
-
-
-def step_profiles(profiles: list, args: PPOArguments, step: int, accelerator) -> list:
-    """This rank's profiles at `step`: consecutive slices of shuffled passes over all profiles, drawn from
-    their own seeded RNG, so a resumed run plays what the uninterrupted run would have."""
-    per_step = args.profiles_per_step * accelerator.num_processes  # each rank plays its own profiles
-    order, shuffled = random.Random(args.seed), []
-    while len(shuffled) < (step + 1) * per_step:
-        shuffled += order.sample(profiles, len(profiles))
-    offset = step * per_step + accelerator.process_index * args.profiles_per_step
-    return shuffled[offset:offset + args.profiles_per_step]
-
-
-def policy_generator(vllm_server, policy, tokenizer, args: PPOArguments, dialogue_args, step: int):
-    """The rollout's `generate`: the vLLM server after the policy's current weights are pushed to it (with
-    --rollout async, a request for each turn, seeded by the step), or a fresh transformers generator over the
-    policy (a generator serves one set of weights)."""
-    if vllm_server is not None:
-        vllm_server.push_weights(policy)
-        if dialogue_args.rollout == "async":
-            return vllm_server.turns(args.seed, step, rank=0)  # one process (preflight.check_launch)
-        return vllm_server
-    return generation.TransformersGenerator(policy, tokenizer, generation.sampling_config(tokenizer, args.temperature),
-                                            dialogue_args.prefix_cache)
-
-
-def stop_if_simulators_failed(dialogues, step: int, dialogue_args, output_dir: Path, model, optimizer, tokenizer,
-                              accelerator) -> None:
-    """Exit, after saving the state before this step, when the simulators of more of its dialogues than
-    max_failed_share allows failed. Every rank stops here together: check_failures agrees across them."""
-    try:
-        rollout.check_failures(dialogues, dialogue_args.max_failed_share, accelerator)
-    except rollout.TooManySimulatorFailures as error:
-        folder = output_dir / f"checkpoint-{step}"
-        if step > 0 and not folder.exists():
-            save_checkpoint(folder, step, model, optimizer, tokenizer, accelerator)
-        saved = f"{folder} holds the state before it; continue with --resume" if step > 0 else "nothing to save yet"
-        raise SystemExit(f"stopped at step {step} ({saved}): {error}") from None
-
-
-def stop_interrupted(output_dir: Path, step: int, saved: bool, model, optimizer, tokenizer, accelerator) -> None:
-    """Ctrl-C (common.StopRequest): save the state before `step` unless this step `saved` it, mark the run,
-    exit 130. Not decided by the folder's presence: a broken checkpoint passed over at resume may hold the name."""
-    folder = output_dir / f"checkpoint-{step}"
-    if not saved:
-        save_checkpoint(folder, step, model, optimizer, tokenizer, accelerator)
-    if accelerator.is_main_process:
-        common.note_interruption(output_dir, step - 1, folder, common.resume_command("--resume"))
-    raise SystemExit(130)
-
-
-def reference_logprobs(reference, batch: dict, temperature: float):
-    """The frozen reference's log-probs at the actions (None without a reference: kl_coef 0)."""
-    if reference is None:
-        return None
-    with torch.no_grad():
-        return token_logprobs(reference, batch["input_ids"], batch["attention_mask"], batch["action_mask"],
-                              temperature)[0]
-
-
-def ppo_epochs(accelerator, model, optimizer, batch: dict, epoch_orders: list[list[int]], untrained_forward,
-               args: PPOArguments) -> list[dict]:
-    """Each epoch's minibatches in that epoch's order, one ppo_update each; the very first micro-batch
-    reuses `untrained_forward`, its forward pass made while scoring the old log-probs. Returns their stats.
-
-    Every rank makes as many optimizer steps as the rank with the most rows needs (minibatches of at
-    most minibatch_size rows); each rank shares its micro-batches of micro_batch_size rows out over
-    them as evenly as whole micro-batches allow, in order, so that each step takes a like share of
-    every rank's rows (10 rows, minibatch_size 8, micro_batch_size 2: minibatches of 6 and 4 rows)."""
-    device = batch["action_mask"].device
-    minibatches = max(1, most_over_ranks(-(-len(epoch_orders[0]) // args.minibatch_size), device))
-    stats = []
-    for epoch, order in enumerate(epoch_orders):
-        micro_batches = [order[start:start + args.micro_batch_size]
-                         for start in range(0, len(order), args.micro_batch_size)]
-        for index in range(minibatches):
-            shared = micro_batches[-(-len(micro_batches) * index // minibatches):  # the larger shares first
-                                   -(-len(micro_batches) * (index + 1) // minibatches)]
-            minibatch = select_rows(batch, [row for micro_batch in shared for row in micro_batch])
-            stats.append(ppo_update(accelerator, model, optimizer, minibatch, args,
-                                    untrained_forward if epoch == 0 and index == 0 else None))
-    return stats
-
-
-def value_metrics(returns, old_values, action_mask) -> dict[str, float]:
-    """The critic's mean value and explained variance (1 - Var(returns - values) / Var(returns)) over the
-    step's actions (every rank's)."""
-    errors = returns - old_values
-    unexplained = step_mean((errors - step_mean(errors, action_mask)) ** 2, action_mask)
-    spread = step_mean((returns - step_mean(returns, action_mask)) ** 2, action_mask)
-    return {"ppo/value_mean": step_mean(old_values, action_mask).item(),
-            "ppo/explained_variance": (1 - unexplained / spread.clamp(min=1e-8)).item()}
-
-
-def step_dialogues(dialogues, final_rewards: list[float], accelerator) -> tuple[dict, list[float]]:
-    """(dialogue columns, final rewards of the scored dialogues) of every rank's dialogues of the step."""
-    columns, rewards = rollout.dialogue_columns(dialogues), list(final_rewards)
-    if accelerator.num_processes > 1:
-        every = gather_object([(columns, rewards)])
-        columns = {key: [value for rank_columns, _ in every for value in rank_columns[key]] for key in columns}
-        rewards = [reward for _, rank_rewards in every for reward in rank_rewards]
-    return columns, rewards
-
-
-def log_step(metrics: dict, dialogues, step: int, transcripts: Path, metrics_file: Path, args: PPOArguments,
-             think: bool, accelerator) -> None:
-    """This rank's transcripts; the step's metrics row (every rank's: main process), console line and tracker."""
-    common.check_run_folder_kept(transcripts.parent)
-    rollout.write_transcripts(transcripts, dialogues, step=step)
-    if accelerator.is_main_process:
-        common.append_rows_kept(metrics_file, [metrics])
-        accelerator.print(rollout.step_line(step + 1, args.max_steps, metrics, think))
-    if args.report_to != "none":
-        accelerator.log(metrics, step=step)
 
 
 if __name__ == "__main__":
