@@ -718,9 +718,9 @@ def newest_whole_checkpoint(output_dir, required: tuple[str, ...], say=print, st
 RUN_MARKER = "rlver-run.json"  # written into a trainer's output folder when its run starts: whose run it is
 
 
-# The options that make a run what it is: a resume with other values would mix two methods in one run (or
-# fail on weights of another shape). Each trainer adds its own; batch sizes and learning rates may change.
-RUN_SETTINGS = ("think", "start_emotion", "max_turns", "max_think_tokens", "max_reply_tokens", "max_dialogue_tokens",
+# The options that make a run what it is, which a resume keeps: other values would mix two methods in one run
+# (or fail on weights of another shape). Each trainer adds its own; batch sizes and learning rates may change.
+KEPT_ON_RESUME = ("think", "start_emotion", "max_turns", "max_think_tokens", "max_reply_tokens", "max_dialogue_tokens",
                 "format_penalty", "policy_prompt", "backend", "variant", "simulator_model", "change_bound",
                 "language", "simulator_prompts", "policy_prompts", "use_peft", "lora_r", "lora_alpha", "dtype",
                 "temperature", "turn_credit", "profiles", "empty_user_message",

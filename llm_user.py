@@ -1,4 +1,4 @@
-"""The LLM users, imported only for `--backend llm` or `local` (simulator.make_simulator): the paper's simulated
+"""The LLM users, imported only for `--backend llm` or `local` (rollout.make_simulator): the paper's simulated
 user, an LLM asked twice a turn, and the released SAGE or RLVER code's own user (`--simulator_prompts sage|rlver`).
 
 `llm` talks to an OpenAI-compatible endpoint (chat_client.ChatClient), `local` to a transformers model in this
@@ -242,7 +242,7 @@ def make_chat(args: "simulator.SimulatorArguments"):
 
 
 def make_simulator(profile, chat, args: "simulator.SimulatorArguments", options: dict) -> simulator.Simulator:
-    """An LLM user for one dialogue (simulator.make_simulator), talking through `chat` (make_chat), with our
+    """An LLM user for one dialogue (rollout.make_simulator), talking through `chat` (make_chat), with our
     prompts or the released code's."""
     released = args.released_prompts("simulator_prompts")
     if released is not None:

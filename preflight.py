@@ -212,7 +212,7 @@ def prepare_resume(training_args: GRPOConfig, transcripts: Path) -> None:
         common.check_steps_left("--resume_from_checkpoint", checkpoint, trained, training_args.max_steps)
     files = [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]
     rollout.check_rows_up_to(files, trained)
-    dropped = sum(rollout.keep_rows_before(path, trained) for path in files)
+    dropped = sum(rollout.drop_rows_from(path, trained) for path in files)
     if checkpoint is None:
         print(f"--resume_from_checkpoint: no checkpoint in {output_dir} yet (the run stopped before its first save, "
               f"every --save_steps {training_args.save_steps}): starting again at step 0; dropped the {dropped} "

@@ -366,9 +366,9 @@ class DialogueRunner:
     async def _run(self, starts, generate, shared) -> list[Dialogue]:
         dialogues = []
         for profile, opening in starts:
-            sim = self.new_simulator(profile)
-            await sim.open(opening)
-            dialogues.append(Dialogue(self._next_id, profile, sim, self.prompt_ids(profile, opening)))
+            user = self.new_simulator(profile)
+            await user.open(opening)
+            dialogues.append(Dialogue(self._next_id, profile, user, self.prompt_ids(profile, opening)))
             self._next_id += 1
         for dialogue, (leader, turns) in zip(dialogues, shared or []):
             dialogue.shared_turns = turns
@@ -626,9 +626,10 @@ class DialogueProgress:
 
 def reward(final_emotion: int, format_violations: int, turns: int, format_penalty: float = 0.0) -> float:
     """The paper's reward: final emotion / 100, given once per dialogue, minus the optional format penalty times
-    the share of its turns that violated the think format. Graded, not all-or-nothing: a small model closes its
-    thoughts in a few turns in a hundred, and a penalty for any violation would fall on nearly every dialogue of
-    a group alike, leaving GRPO no difference to learn from."""
+    the share of its turns that violated the think format. Graded, not all-or-nothing: a small model leaves most
+    of its thoughts open (the packaged one closes 8% told the format in words, 33% shown it: generation.py), and
+    a penalty for any violation would fall on nearly every dialogue of a group alike, leaving GRPO no difference
+    to learn from."""
     return final_emotion / simulator.MAX_EMOTION - format_penalty * format_violations / max(turns, 1)
 
 
@@ -760,9 +761,9 @@ def check_rows_up_to(paths: list, step: int, what: str = "transcripts") -> None:
                                 "start a new run in another --output_dir")
 
 
-def keep_rows_before(path, step: int, what: str = "transcripts file") -> int:
-    """Drop the rows written for steps >= `step` (a resumed run plays them again); returns how many. A last
-    line cut short (a run killed while writing it) is dropped with a warning; any other line that is not a
+def drop_rows_from(path, step: int, what: str = "transcripts file") -> int:
+    """Drop the rows written for steps >= `step` (a resumed run plays them again); returns how many it dropped.
+    A last line cut short (a run killed while writing it) is dropped with a warning; any other line that is not a
     row with its step is an error naming file:line, and the file is left as it was."""
     path = Path(path)
     if not path.is_file():

@@ -7,8 +7,9 @@
 
 Each training prompt is a profile id. TRL repeats it `num_generations` times and every copy becomes one
 dialogue with its own simulated user (`rollout.py`), all copies opening with the profile's one line. The
-reward is the final emotion / 100, read from the rollout's `final_emotion` field. Every GRPOConfig and
-ModelConfig flag of TRL works too.
+reward is the final emotion / 100, read from the rollout's `final_emotion` field. TRL's GRPOConfig and
+ModelConfig flags work too; preflight.py refuses, before a model loads, values that cannot work and, with
+--turn_credit, the losses whose meaning it would change.
 
 What it simplifies: a dialogue is one training row, the policy keeping its earlier thoughts in view (the
 paper trained each turn as its own row); the defaults are a CPU demo (`DEMO_DEFAULTS`), the recipes hold the
@@ -40,8 +41,9 @@ import preflight
 import rollout
 import simulator
 
-GRPO_RUN_SETTINGS = ("lora_target_modules", "num_generations", "beta", "loss_type", "turn_credit_coef",
-                     "turn_credit_baseline", "turn_credit_scale", "turn_groups")  # with common.RUN_SETTINGS: what a resume keeps
+# With common.KEPT_ON_RESUME: the options a resume keeps.
+GRPO_KEPT_ON_RESUME = ("lora_target_modules", "num_generations", "beta", "loss_type", "turn_credit_coef",
+                       "turn_credit_baseline", "turn_credit_scale", "turn_groups")
 
 # The offline demo. The paper's values in the comments; recipes/ hold them, and state
 # every key of this dict (tests/test_recipes.py): these are the parser's defaults under --config too.
@@ -56,8 +58,9 @@ DEMO_DEFAULTS = dict(
     max_steps=30,  # paper: 1000 steps on 32 GPUs
     temperature=1.0,  # paper: 1.0
     beta=0.0,  # paper: no KL, no reference model
-    # paper: none. With --think the packaged model closes a thought in a few turns in a hundred; paid a
-    # penalty graded by the share of violating turns (rollout.reward), it learns to close them in 30 steps.
+    # paper: none. With --think the packaged model, shown the format, closes a thought in a third of its turns
+    # (docs/results.md); paid a penalty graded by the share of violating turns (rollout.reward), it learns to
+    # close more of them in 30 steps.
     format_penalty=0.1,
     logging_steps=1, save_strategy="steps", save_steps=10, report_to="none",  # a checkpoint every 10 steps
     gradient_checkpointing=False,  # a 135M model fits; checkpointing would only slow the CPU down
@@ -322,7 +325,7 @@ def check_inputs(argv, dialogue_args, simulator_args, credit_args, training_args
     preflight.check_profile_count(len(profiles), dialogue_args.profiles, training_args)
     preflight.check_addresses_on_several_nodes(simulator_args, vllm_server_address(training_args, dialogue_args))
     common.check_process_count(training_args.distributed_state)
-    settings = common.run_settings(common.RUN_SETTINGS + GRPO_RUN_SETTINGS, dialogue_args, simulator_args,
+    settings = common.run_settings(common.KEPT_ON_RESUME + GRPO_KEPT_ON_RESUME, dialogue_args, simulator_args,
                                    credit_args, model_args, training_args)
     common.claim_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path,
                             bool(training_args.resume_from_checkpoint), "--resume_from_checkpoint", settings,

@@ -145,7 +145,8 @@ def check_inputs(args: PPOArguments, dialogue_args, simulator_args) -> tuple[str
     return policy_path, profiles
 
 
-PPO_RUN_SETTINGS = ("critic_model_name_or_path", "per_turn_rows", "gamma", "lam", "kl_coef")  # with common.RUN_SETTINGS
+# With common.KEPT_ON_RESUME: the options a resume keeps.
+PPO_KEPT_ON_RESUME = ("critic_model_name_or_path", "per_turn_rows", "gamma", "lam", "kl_coef")
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,8 +347,8 @@ def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_s
     rollout.check_rows_up_to([transcripts], step)
     if accelerator.is_main_process:
         rollout.check_rows_up_to([metrics_file], step, "metrics file")
-    dropped = (rollout.keep_rows_before(transcripts, step),
-               rollout.keep_rows_before(metrics_file, step, "metrics file") if accelerator.is_main_process else 0)
+    dropped = (rollout.drop_rows_from(transcripts, step),
+               rollout.drop_rows_from(metrics_file, step, "metrics file") if accelerator.is_main_process else 0)
     if checkpoint is None and any(dropped):
         accelerator.print(f"--resume: no checkpoint in {output_dir} yet (the run stopped before its first save, at "
                           f"step {save_steps}): starting again at step 0; dropped the {dropped[0]} transcript rows "
@@ -524,10 +525,10 @@ def forward(model, batch: dict, temperature: float, with_entropy: bool = True):
 
 def old_logprobs_and_values(model, batch: dict, order: list[int], temperature: float, micro_batch_size: int):
     """Log-probs and values of every row before the update, and the forward pass of the first
-    micro-batch of the first epoch's `order` (of placeholder_rows when there are no rows). That micro-batch is trained before any weight changes, so
-    its old log-probs and values are its new ones, detached: its pass is made once, with graphs, and
-    serves both (with one micro-batch per batch, as in the demo, no separate no-grad pass is made at
-    all). The other micro-batches are scored without graphs, grouped as the first epoch trains them, by
+    micro-batch of the first epoch's `order` (of placeholder_rows when there are no rows). That micro-batch is
+    trained before any weight changes, so its old log-probs and values are its new ones, detached: its pass is
+    made once, with graphs, and serves both (with one micro-batch per batch, as in the demo, no separate
+    no-grad pass is made at all). The other micro-batches are scored without graphs, grouped as the first epoch trains them, by
     the networks outside their DDP or DeepSpeed wrapper: scoring trains nothing, and DDP's forward pass
     after a training pass broadcasts the buffers (a collective), which ranks scoring different numbers of
     micro-batches would pair with the wrong collectives of the others."""
@@ -572,7 +573,7 @@ def place_rewards(action_mask, rewards_at: list[dict], logprobs=None, ref_logpro
     return rewards
 
 
-def masked_gae(rewards, values, action_mask, gamma: float, lam: float):
+def masked_gae(rewards, values, action_mask, gamma: float, gae_lambda: float):
     """GAE over the actions only: a non-action position is skipped, neither receiving an advantage
     nor cutting the chain; the value after a row's last action is 0 (the dialogue is over)."""
     advantages = torch.zeros_like(rewards)
@@ -581,7 +582,7 @@ def masked_gae(rewards, values, action_mask, gamma: float, lam: float):
     for t in reversed(range(rewards.size(1))):
         is_action = action_mask[:, t] > 0
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = delta + gamma * lam * running
+        advantage = delta + gamma * gae_lambda * running
         running = torch.where(is_action, advantage, running)
         next_value = torch.where(is_action, values[:, t], next_value)
         advantages[:, t] = torch.where(is_action, advantage, torch.zeros_like(advantage))
@@ -785,7 +786,7 @@ def main(argv=None) -> None:
     accelerator = Accelerator(log_with=None if args.report_to == "none" else args.report_to,
                               project_dir=str(output_dir))
     preflight.check_launch(args, accelerator)
-    settings = common.run_settings(common.RUN_SETTINGS + PPO_RUN_SETTINGS, args, dialogue_args, simulator_args)
+    settings = common.run_settings(common.KEPT_ON_RESUME + PPO_KEPT_ON_RESUME, args, dialogue_args, simulator_args)
     common.claim_run_folder(output_dir, "train_ppo.py", args.model_name_or_path, args.resume, "--resume", settings,
                             accelerator)
     transcripts, metrics_file = run_files(output_dir, accelerator)

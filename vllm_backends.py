@@ -112,11 +112,11 @@ class VLLMServerTurns:
     @classmethod
     def of_trainer(cls, trainer):
         """For a TRL trainer with `vllm_mode="server"`: its server and sampling settings, the step's seed."""
-        generation, args = trainer.vllm_generation, trainer.args
-        base_url = server_url(generation.server_base_url, generation.server_host, generation.server_port)
-        sampling = {"temperature": generation.temperature, "top_p": generation.top_p, "top_k": generation.top_k,
-                    "min_p": generation.min_p or 0.0, "repetition_penalty": generation.repetition_penalty,
-                    **(generation.generation_kwargs or {})}
+        trls, args = trainer.vllm_generation, trainer.args
+        base_url = server_url(trls.server_base_url, trls.server_host, trls.server_port)
+        sampling = {"temperature": trls.temperature, "top_p": trls.top_p, "top_k": trls.top_k,
+                    "min_p": trls.min_p or 0.0, "repetition_penalty": trls.repetition_penalty,
+                    **(trls.generation_kwargs or {})}
         return cls(base_url, sampling, seed=args.seed, step=trainer.state.global_step,
                    rank=trainer.accelerator.process_index)
 

@@ -64,7 +64,7 @@ TARGETS = [
     ("rollout.py", "Dialogue.turn_changes"), ("rollout.py", "Dialogue.token_turns"), ("rollout.py", "reward"),
     ("rollout.py", "dialogue_metrics"), ("rollout.py", "Dialogue.append"), ("rollout.py", "DialogueRunner._sample"),
     ("rollout.py", "DialogueRunner._cut_thought"), ("rollout.py", "DialogueRunner._read_turn"),
-    ("rollout.py", "keep_rows_before"), ("rollout.py", "check_failures"),
+    ("rollout.py", "drop_rows_from"), ("rollout.py", "check_failures"),
     ("generation.py", "split_think"), ("generation.py", "PrefixCache.reuse"),
     ("simulator.py", "Simulator.respond"), ("llm_user.py", "parse_analysis"),
     ("rule_user.py", "RuleUser.score"), ("rule_user.py", "RuleUser._worth"),

@@ -1,4 +1,4 @@
-"""Bad input to the tools around training (report.py, plot_training.py, simulator.py's terminal dialogue):
+"""Bad input to the tools around training (report.py, plot_training.py, talk.py's terminal dialogue):
 each gets one line saying what is wrong and where, a non-zero exit and no traceback; a transcript cut short by
 a killed run still gives what parses. Every script's --help works."""
 import json

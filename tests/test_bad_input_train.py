@@ -236,7 +236,7 @@ def test_the_scripts_print_an_input_error_as_one_line_without_a_traceback(tmp_pa
 def test_resume_drops_a_last_line_cut_short_by_a_kill_and_the_steps_played_again(tmp_path, capsys):
     transcripts = tmp_path / "transcripts.jsonl"
     transcripts.write_text('{"step": 0, "id": "a"}\n{"step": 1, "id": "b"}\n{"step": 2, "id": "c"}\n{"step": 2, "i')
-    assert rollout.keep_rows_before(transcripts, 2) == 1
+    assert rollout.drop_rows_from(transcripts, 2) == 1
     assert [json.loads(line) for line in transcripts.read_text().splitlines()] == [{"step": 0, "id": "a"},
                                                                                    {"step": 1, "id": "b"}]
     assert "transcripts.jsonl:4: the last line is cut short" in capsys.readouterr().err
@@ -247,7 +247,7 @@ def test_resume_refuses_a_bad_line_in_the_middle_naming_it_and_leaves_the_file_a
     text = '{"step": 0}\n{"step": \n{"step": 1}\n'
     transcripts.write_text(text)
     with pytest.raises(common.InputError, match=r"transcripts.jsonl:2: not valid JSON .*; mend or delete that line"):
-        rollout.keep_rows_before(transcripts, 1)
+        rollout.drop_rows_from(transcripts, 1)
     assert transcripts.read_text() == text
 
 
@@ -369,11 +369,11 @@ def test_a_resume_with_settings_other_than_the_runs_is_refused_naming_them(tmp_p
     argv = ["--model_name_or_path", str(model_folder), "--output_dir", str(output_dir)]
     if script == "train_ppo.py":
         args, dialogue_args, simulator_args = train_ppo.parse_arguments(argv)
-        settings = common.run_settings(common.RUN_SETTINGS + train_ppo.PPO_RUN_SETTINGS, args, dialogue_args,
+        settings = common.run_settings(common.KEPT_ON_RESUME + train_ppo.PPO_KEPT_ON_RESUME, args, dialogue_args,
                                        simulator_args)
     else:
         dialogue_args, simulator_args, credit_args, training_args, model_args = train_grpo.parse_arguments(argv)
-        settings = common.run_settings(common.RUN_SETTINGS + train_grpo.GRPO_RUN_SETTINGS, dialogue_args,
+        settings = common.run_settings(common.KEPT_ON_RESUME + train_grpo.GRPO_KEPT_ON_RESUME, dialogue_args,
                                        simulator_args, credit_args, model_args, training_args)
     common.mark_run_folder(output_dir, script, str(model_folder), settings)
     (output_dir / "transcripts.jsonl").write_text('{"step": 0}\n')

@@ -66,3 +66,10 @@ def test_no_wording_whose_time_is_the_writers(page):
              for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
              for match in RELATIVE_TIME.finditer(line)]
     assert not found, f"{page.name}: " + "; ".join(found)
+
+
+def test_the_map_of_features_to_tests_names_every_test_file_and_only_those():
+    text = (REPO / "docs" / "testing.md").read_text()
+    section = text.split("## Where each feature is tested", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(test_\w+\.py)`", section))
+    assert named == {path.name for path in (REPO / "tests").glob("test_*.py")}

@@ -1,5 +1,5 @@
-"""The one place that reads input files and checks options (simulator.py): every script's errors for
-bad files, lines and values come from here."""
+"""The one place that reads input files and checks options (common.py, and the profile reader of simulator.py):
+every script's errors for bad files, lines and values come from here."""
 import argparse
 import json
 import sys

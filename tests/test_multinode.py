@@ -281,11 +281,11 @@ def test_ranks_on_two_nodes_with_the_same_process_id_trim_one_shared_file_withou
     def node_b_trims_first(partial: Path, target: Path):
         monkeypatch.setattr(Path, "replace", replace)
         host["name"] = "node-b"
-        assert rollout.keep_rows_before(path, 2) == 2
+        assert rollout.drop_rows_from(path, 2) == 2
         return replace(partial, target)
 
     monkeypatch.setattr(Path, "replace", node_b_trims_first)
-    assert rollout.keep_rows_before(path, 2) == 2
+    assert rollout.drop_rows_from(path, 2) == 2
     assert [row["step"] for row in json_lines(path)] == [0, 0, 1, 1]
     assert [item.name for item in tmp_path.iterdir()] == [path.name]  # no temporary file left
 

@@ -109,7 +109,7 @@ else:
     import common, train_ppo
     args, dialogue_args, simulator_args = train_ppo.parse_arguments(argv)
     train_ppo.check_inputs(args, dialogue_args, simulator_args)
-    settings = common.run_settings(common.RUN_SETTINGS + train_ppo.PPO_RUN_SETTINGS, args, dialogue_args,
+    settings = common.run_settings(common.KEPT_ON_RESUME + train_ppo.PPO_KEPT_ON_RESUME, args, dialogue_args,
                                    simulator_args)
     common.claim_run_folder(args.output_dir, script, args.model_name_or_path, False, "--resume", settings,
                             Accelerator())
