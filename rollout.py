@@ -1,20 +1,5 @@
 """Multi-turn dialogues between the policy and simulated users, at token level.
 
-Two schedules (`--rollout`), which play the same dialogues when the policy decodes greedily or with
-per-request seeds (tests/test_rollout_async.py; on a GPU's vLLM only with VLLM_BATCH_INVARIANT=1):
-- async (the default): each dialogue is its own task, and asks for its next policy turn as soon as its
-  own simulated user has answered. Its turns are sampled by `TurnBatcher` (one batched generate call for
-  whichever dialogues are waiting: transformers, in-process vLLM) or sent as requests of their own to a
-  vLLM server (`vllm_backends.VLLMServerTurns`). A step costs about its longest dialogue, not the sum over
-  turns of each turn's slowest simulator (benchmarks/rollout_bench.py).
-- lockstep (the paper's): each turn, one batched generate call for every active dialogue, then all
-  their simulators answer. It is what a generator whose calls are collectives needs (every rank the
-  same calls: DeepSpeed ZeRO-3 or FSDP across processes, TRL's vLLM in server mode or with tensor
-  parallelism), and async falls back to it there, saying so.
-Either way at most `simulator_concurrency` simulators answer at once. Each dialogue owns its simulator
-(`Dialogue.simulator`); nothing is ever looked up by position in a list of active dialogues, so a
-dialogue that ends early cannot mix up the others.
-
 Token layout of one dialogue, as TRL's `rollout_func` expects it:
 
     prompt_ids      = chat template of [policy system prompt, its worked exchanges if any, user opening]
@@ -45,8 +30,23 @@ Budgets are in tokens: per policy turn `max_think_tokens` and `max_reply_tokens`
 `max_dialogue_tokens` for prompt plus completion; a dialogue that cannot fit another user message
 and a minimal turn ends with reason "token_budget".
 
-The policy's side (its system prompt, think parsing, the sampling backends: transformers, vLLM) is
-`generation.py`; `generate` is any of its backends. More on the schedules and failure handling:
+Two schedules (`--rollout`), which play the same dialogues when the policy decodes greedily or with
+per-request seeds (tests/test_rollout_async.py; on a GPU's vLLM only with VLLM_BATCH_INVARIANT=1):
+- async (the default): each dialogue is its own task, and asks for its next policy turn as soon as its
+  own simulated user has answered. Its turns are sampled by `TurnBatcher` (one batched generate call for
+  whichever dialogues are waiting: transformers, in-process vLLM) or sent as requests of their own to a
+  vLLM server (`vllm_backends.VLLMServerTurns`). A step costs about its longest dialogue, not the sum over
+  turns of each turn's slowest simulator (benchmarks/rollout_bench.py).
+- lockstep (the paper's): each turn, one batched generate call for every active dialogue, then all
+  their simulators answer. It is what a generator whose calls are collectives needs (every rank the
+  same calls: DeepSpeed ZeRO-3 or FSDP across processes, TRL's vLLM in server mode or with tensor
+  parallelism), and async falls back to it there, saying so.
+Either way at most `simulator_concurrency` simulators answer at once. Each dialogue owns its simulator
+(`Dialogue.simulator`); nothing is ever looked up by position in a list of active dialogues, so a
+dialogue that ends early cannot mix up the others.
+
+The policy's side (its system prompt, think parsing, transformers sampling) is `generation.py`, the vLLM
+backends `vllm_backends.py`; `generate` is any of them. More on the schedules and failure handling:
 docs/training.md.
 """
 import asyncio
@@ -363,89 +363,13 @@ class DialogueRunner:
                                               self.simulator_args.released_prompts("policy_prompts"))
         return self.segments.prompt_ids(messages, opening)
 
-    async def _run(self, starts, generate, shared) -> list[Dialogue]:
-        dialogues = []
-        for profile, opening in starts:
-            user = self.new_simulator(profile)
-            await user.open(opening)
-            dialogues.append(Dialogue(self._next_id, profile, user, self.prompt_ids(profile, opening)))
-            self._next_id += 1
-        for dialogue, (leader, turns) in zip(dialogues, shared or []):
-            dialogue.shared_turns = turns
-            dialogue.leader = dialogues[leader] if dialogues[leader] is not dialogue else None
-        gate = asyncio.Semaphore(self.args.simulator_concurrency)
-        lockstep_reason = getattr(generate, "lockstep_reason", None)
-        if shared and not lockstep_reason:  # followers wait for their leader's turn: one turn at a time
-            lockstep_reason = "the dialogues of a turn group share their first turns (--turn_groups)"
-        if self.args.rollout == "lockstep" or lockstep_reason:
-            if self.args.rollout == "async" and not self._told_lockstep:
-                print(f"--rollout async: lockstep instead, as {lockstep_reason}", flush=True)
-                self._told_lockstep = True
-            await self._lockstep(dialogues, generate, gate)
-        elif hasattr(generate, "sample"):  # a server: each turn its own request
-            try:
-                await run_all([self._play(d, generate.sample, gate) for d in dialogues])
-            finally:
-                await generate.aclose()
-        else:
-            batcher = TurnBatcher(generate, len(dialogues), self.args.batch_wait)
-            await run_all([batcher.serve()] + [self._play(d, batcher.sample, gate, batcher.finished)
-                                               for d in dialogues])
-        return dialogues
-
-    async def _lockstep(self, dialogues: list[Dialogue], generate, gate: asyncio.Semaphore) -> None:
-        think = self.args.think
-        for _ in range(self.args.max_turns):  # a fixed number of generate calls: ranks stay in lockstep
-            active = [d for d in dialogues if not d.done]
-            for dialogue in active:
-                self._begin_turn(dialogue)
-            if think:
-                thoughts_closed = self._sample(active, generate, phase="think")
-            replies = self._sample(active, generate, phase="reply")
-            for index, dialogue in enumerate(active):
-                self._read_turn(dialogue, thoughts_closed[index] if think else True, replies[index])
-            await asyncio.gather(*(self._answer(d, gate) for d in active))
-
-    async def _play(self, dialogue: Dialogue, sample, gate: asyncio.Semaphore, finished=lambda: None) -> None:
-        """One dialogue on its own: each policy turn asked for as soon as its user has answered.
-        `sample(context, budget, stop, key)` is awaited for each phase's ids and logprobs."""
-        try:
-            for turn in range(self.args.max_turns):
-                if dialogue.done:
-                    return
-                self._begin_turn(dialogue)
-                thought_closed = True
-                for phase in ("think", "reply") if self.args.think else ("reply",):
-                    budget = self._open_phase(dialogue, phase)
-                    ids, logprobs = await sample(dialogue.context(), budget, PHASE_STOP[phase],
-                                                 (dialogue.dialogue_id, turn, phase))
-                    result = self._take(dialogue, phase, ids, logprobs)
-                    if phase == "think":
-                        thought_closed = result
-                self._read_turn(dialogue, thought_closed, result)
-                await self._answer(dialogue, gate)
-        finally:
-            finished()
+    # The turn: what one policy turn does to a dialogue, whichever schedule plays it.
 
     @staticmethod
     def _begin_turn(dialogue: Dialogue) -> None:
         dialogue.turn_ids.append([])
         dialogue.thought_ids.append([])
         dialogue.turn_starts.append(len(dialogue.completion_ids))
-
-    def _sample(self, active: list[Dialogue], generate, phase: str) -> list:
-        """One batched generate call for every active dialogue (lockstep); `_take`'s result for each. A dialogue
-        within its shared turns (--turn_groups) is not sampled: it takes its leader's ids, untrained."""
-        budgets = [self._open_phase(dialogue, phase) for dialogue in active]
-        turn = len(active[0].turn_ids) - 1 if active else 0
-        source = [d.leader if d.leader is not None and turn < d.shared_turns else d for d in active]
-        own = [index for index, d in enumerate(active) if source[index] is d]
-        sampled, logprobs = generate([active[i].context() for i in own], [budgets[i] for i in own],
-                                     stop=PHASE_STOP[phase])
-        by_source = {id(active[i]): (ids, logprobs[n] if logprobs else None)
-                     for n, (i, ids) in enumerate(zip(own, sampled))}
-        return [self._take(d, phase, *by_source[id(source[index])], trained=turn >= d.shared_turns)
-                for index, d in enumerate(active)]
 
     def _open_phase(self, dialogue: Dialogue, phase: str) -> int:
         """Start a phase of the dialogue's turn (a think phase inserts <think>); its token budget."""
@@ -517,6 +441,87 @@ class DialogueRunner:
             dialogue.end_reason = "token_budget"  # the next user message and a reply would not fit
             return
         dialogue.append(inserted, sampled=False)
+
+    # The schedules: lockstep (one generate call a turn for every dialogue) or async (each dialogue on its
+    # own, its turns batched by TurnBatcher below or sent to a server).
+
+    async def _run(self, starts, generate, shared) -> list[Dialogue]:
+        dialogues = []
+        for profile, opening in starts:
+            user = self.new_simulator(profile)
+            await user.open(opening)
+            dialogues.append(Dialogue(self._next_id, profile, user, self.prompt_ids(profile, opening)))
+            self._next_id += 1
+        for dialogue, (leader, turns) in zip(dialogues, shared or []):
+            dialogue.shared_turns = turns
+            dialogue.leader = dialogues[leader] if dialogues[leader] is not dialogue else None
+        gate = asyncio.Semaphore(self.args.simulator_concurrency)
+        lockstep_reason = getattr(generate, "lockstep_reason", None)
+        if shared and not lockstep_reason:  # followers wait for their leader's turn: one turn at a time
+            lockstep_reason = "the dialogues of a turn group share their first turns (--turn_groups)"
+        if self.args.rollout == "lockstep" or lockstep_reason:
+            if self.args.rollout == "async" and not self._told_lockstep:
+                print(f"--rollout async: lockstep instead, as {lockstep_reason}", flush=True)
+                self._told_lockstep = True
+            await self._lockstep(dialogues, generate, gate)
+        elif hasattr(generate, "sample"):  # a server: each turn its own request
+            try:
+                await run_all([self._play(d, generate.sample, gate) for d in dialogues])
+            finally:
+                await generate.aclose()
+        else:
+            batcher = TurnBatcher(generate, len(dialogues), self.args.batch_wait)
+            await run_all([batcher.serve()] + [self._play(d, batcher.sample, gate, batcher.finished)
+                                               for d in dialogues])
+        return dialogues
+
+    async def _lockstep(self, dialogues: list[Dialogue], generate, gate: asyncio.Semaphore) -> None:
+        think = self.args.think
+        for _ in range(self.args.max_turns):  # a fixed number of generate calls: ranks stay in lockstep
+            active = [d for d in dialogues if not d.done]
+            for dialogue in active:
+                self._begin_turn(dialogue)
+            if think:
+                thoughts_closed = self._sample(active, generate, phase="think")
+            replies = self._sample(active, generate, phase="reply")
+            for index, dialogue in enumerate(active):
+                self._read_turn(dialogue, thoughts_closed[index] if think else True, replies[index])
+            await asyncio.gather(*(self._answer(d, gate) for d in active))
+
+    def _sample(self, active: list[Dialogue], generate, phase: str) -> list:
+        """One batched generate call for every active dialogue (lockstep); `_take`'s result for each. A dialogue
+        within its shared turns (--turn_groups) is not sampled: it takes its leader's ids, untrained."""
+        budgets = [self._open_phase(dialogue, phase) for dialogue in active]
+        turn = len(active[0].turn_ids) - 1 if active else 0
+        source = [d.leader if d.leader is not None and turn < d.shared_turns else d for d in active]
+        own = [index for index, d in enumerate(active) if source[index] is d]
+        sampled, logprobs = generate([active[i].context() for i in own], [budgets[i] for i in own],
+                                     stop=PHASE_STOP[phase])
+        by_source = {id(active[i]): (ids, logprobs[n] if logprobs else None)
+                     for n, (i, ids) in enumerate(zip(own, sampled))}
+        return [self._take(d, phase, *by_source[id(source[index])], trained=turn >= d.shared_turns)
+                for index, d in enumerate(active)]
+
+    async def _play(self, dialogue: Dialogue, sample, gate: asyncio.Semaphore, finished=lambda: None) -> None:
+        """One dialogue on its own: each policy turn asked for as soon as its user has answered.
+        `sample(context, budget, stop, key)` is awaited for each phase's ids and logprobs."""
+        try:
+            for turn in range(self.args.max_turns):
+                if dialogue.done:
+                    return
+                self._begin_turn(dialogue)
+                thought_closed = True
+                for phase in ("think", "reply") if self.args.think else ("reply",):
+                    budget = self._open_phase(dialogue, phase)
+                    ids, logprobs = await sample(dialogue.context(), budget, PHASE_STOP[phase],
+                                                 (dialogue.dialogue_id, turn, phase))
+                    result = self._take(dialogue, phase, ids, logprobs)
+                    if phase == "think":
+                        thought_closed = result
+                self._read_turn(dialogue, thought_closed, result)
+                await self._answer(dialogue, gate)
+        finally:
+            finished()
 
 
 async def run_all(coroutines) -> None:

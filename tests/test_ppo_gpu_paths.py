@@ -143,7 +143,7 @@ def test_ppo_tensors_are_made_on_the_device_of_the_models_and_batch(tiny_model_d
                                                    args.temperature)
         on_last_action = [{len(ids) - 1: reward} for (ids, _), reward in zip(rows, [0.3, 0.5, 0.4])]
         rewards = train_ppo.place_rewards(mask, on_last_action, old_logprobs, ref_logprobs, kl_coef=0.1)
-        advantages, returns = train_ppo.masked_gae(rewards, old_values, mask, gamma=0.9, lam=0.8)
+        advantages, returns = train_ppo.masked_gae(rewards, old_values, mask, gamma=0.9, gae_lambda=0.8)
         batch.update(old_logprobs=old_logprobs, old_values=old_values, returns=returns,
                      advantages=train_ppo.whiten(advantages, mask))
         minibatch = train_ppo.select_rows(batch, [1])

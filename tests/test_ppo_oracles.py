@@ -70,7 +70,7 @@ def test_gae_discounts_the_bootstrap_by_gamma_and_the_trace_by_gamma_times_lambd
     mask = [[0, 1, 0, 0, 1, 1]]
     values = [[7.0, 0.5, 7.0, 7.0, 0.25, -0.5]]  # the 7s sit on a prompt and user tokens: never read
     rewards = [[0.0, 0.0, 0.0, 0.0, 0.0, 1.0]]
-    advantages, _ = train_ppo.masked_gae(tensor(rewards), tensor(values), tensor(mask), gamma=0.9, lam=0.5)
+    advantages, _ = train_ppo.masked_gae(tensor(rewards), tensor(values), tensor(mask), gamma=0.9, gae_lambda=0.5)
     a5 = 1.0 - (-0.5)
     a4 = 0.9 * -0.5 - 0.25 + 0.45 * a5
     a1 = 0.9 * 0.25 - 0.5 + 0.45 * a4

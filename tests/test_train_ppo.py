@@ -36,7 +36,7 @@ def test_rewards_land_at_their_positions_and_nowhere_else():
 
 
 def test_gae_with_gamma_and_lambda_one_matches_the_hand_computation():
-    advantages, returns = masked_gae(place_rewards(MASK, FINAL_REWARDS), VALUES, MASK, gamma=1.0, lam=1.0)
+    advantages, returns = masked_gae(place_rewards(MASK, FINAL_REWARDS), VALUES, MASK, gamma=1.0, gae_lambda=1.0)
     # Row 0: A4 = 1 - 0.4; A3 = 0.4 - 0.3 + A4; A2 = 0.3 - 0.2 + A3 (bootstrapping across the user turn); A1 = 0.2 - 0.1 + A2.
     assert advantages[0].tolist() == pytest.approx([0, 0.9, 0.8, 0, 0, 0.7, 0.6, 0])
     # Row 1 ended early: its chain stops at its own last action, with nothing after it.
@@ -45,7 +45,7 @@ def test_gae_with_gamma_and_lambda_one_matches_the_hand_computation():
 
 
 def test_gae_with_discounting_matches_the_hand_computation():
-    advantages, _ = masked_gae(place_rewards(MASK, FINAL_REWARDS), VALUES, MASK, gamma=0.9, lam=0.8)
+    advantages, _ = masked_gae(place_rewards(MASK, FINAL_REWARDS), VALUES, MASK, gamma=0.9, gae_lambda=0.8)
     a4 = 1 - 0.4
     a3 = (0.9 * 0.4 - 0.3) + 0.72 * a4
     a2 = (0.9 * 0.3 - 0.2) + 0.72 * a3
@@ -168,7 +168,7 @@ def run_ppo(tiny_model_dir, output_dir, *flags, launcher=(sys.executable,)):
     transcripts = [json.loads(line) for line in (output_dir / "transcripts.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     # What it trains and where it writes, then one short line a step; every metric is in metrics.jsonl.
-    assert re.search(rf"^PPO: {re.escape(str(tiny_model_dir))}.* against the \w+ user, \d+ steps; writing "
+    assert re.search(rf"^PPO: {re.escape(str(tiny_model_dir))}.* against the \w+ user, \d+ steps?; writing "
                      rf"{re.escape(str(output_dir))}$", finished.stdout, re.MULTILINE)
     steps = re.findall(r"^step (\d+)/\d+: mean final emotion [\d.]+(?:, format violations \d+%)?, \d+ s$",
                        finished.stdout, re.MULTILINE)

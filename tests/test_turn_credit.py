@@ -99,7 +99,7 @@ def test_with_gamma_and_lambda_one_a_turns_return_is_what_followed_it():
     credit, the final emotion / 100 without."""
     for turn_credit, expected in [(False, [0.45, 0.45]), (True, [0.15, 0.10])]:
         mask, rewards = rewards_of(two_turn_dialogue(), 0.45, turn_credit)
-        _, returns = train_ppo.masked_gae(rewards, torch.zeros_like(mask), mask, gamma=1.0, lam=1.0)
+        _, returns = train_ppo.masked_gae(rewards, torch.zeros_like(mask), mask, gamma=1.0, gae_lambda=1.0)
         turn_of = two_turn_dialogue().token_turns()
         for position, turn in enumerate(turn_of):
             want = expected[turn] if turn >= 0 else 0.0
