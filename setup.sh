@@ -31,7 +31,7 @@ else
         echo "set up: $_rlver_root/$_rlver_venv"
         # accelerate's default config, where there is none: without one, `accelerate launch` warns of every
         # value it had to assume. An existing one is never replaced.
-        _rlver_accelerate="${HF_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/huggingface}/accelerate/default_config.yaml"
+        _rlver_accelerate="${HF_HOME:-${XDG_CACHE_HOME:-${HOME:-}/.cache}/huggingface}/accelerate/default_config.yaml"
         if [ "${1:-cpu}" = cpu ] && [ ! -e "$_rlver_accelerate" ] \
                 && mkdir -p "$(dirname "$_rlver_accelerate")" \
                 && cp "$_rlver_root/accelerate_configs/cpu.yaml" "$_rlver_accelerate"; then

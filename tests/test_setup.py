@@ -40,7 +40,7 @@ chmod +x "$3/bin/pip"
 """
 
 
-def source_setup(tmp_path, arguments="", fails_on="", shell="bash", how="source"):
+def source_setup(tmp_path, arguments="", fails_on="", shell="bash", how="source", prelude=""):
     """Source (or run, `how="run"`) a copy of setup.sh (in its own folder: it makes the virtualenv beside itself)
     with fake python3 and pip, in `shell`; (the shell's output with the status and the pip found afterwards, pip's
     calls)."""
@@ -54,7 +54,7 @@ def source_setup(tmp_path, arguments="", fails_on="", shell="bash", how="source"
     (bin_dir / "python3").write_text(FAKE_PYTHON)
     (bin_dir / "python3").chmod(0o755)
     log = tmp_path / "pip.log"
-    script = (f"cd /; source {folder}/setup.sh {arguments}; echo \"status=$? pip=$(command -v pip)\"" if how == "source"
+    script = prelude + (f"cd /; source {folder}/setup.sh {arguments}; echo \"status=$? pip=$(command -v pip)\"" if how == "source"
               else f"cd /; {shell} {folder}/setup.sh {arguments}; echo \"status=$?\"")
     finished = subprocess.run([shell, "-c", script], capture_output=True, text=True, timeout=60,
                               env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "PIP_LOG": str(log),
@@ -81,7 +81,7 @@ def test_setup_gives_accelerate_a_one_process_cpu_config_only_where_it_has_none(
     """Without a default config `accelerate launch` prints a block of "values not passed" before the run's
     first line; an existing config is the user's and stays as it is."""
     config = tmp_path / "hf" / "accelerate" / "default_config.yaml"
-    output, _, _ = source_setup(tmp_path)
+    output, _, _ = source_setup(tmp_path, prelude="set -euo pipefail; ")  # as .ci/run sources it
     assert config.read_text() == (REPO / "accelerate_configs" / "cpu.yaml").read_text()
     assert f"wrote accelerate's default config (one process on CPU): {config}" in output and "status=0" in output
     config.write_text("mine\n")
