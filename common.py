@@ -1,6 +1,6 @@
-"""Shared plumbing of the scripts: input errors and option checks, JSON Lines files, --config YAML files,
-the OpenAI-compatible chat client (the simulator's endpoint, and the tested model's in both evaluations),
-and models by name (the packaged offline model, hub ids, a trained LoRA adapter merged for evaluation).
+"""Shared plumbing of the scripts and the guards around the method: input errors and option checks, JSON Lines
+files, --config YAML files, signals and Ctrl-C, run-folder claims and locks, resume, and models by name (the
+packaged offline model, hub ids, a trained LoRA adapter merged for evaluation).
 
 Every script goes through these, so a bad file, line or value gets one line naming it and what to do,
 before anything slow (model loading) starts.
