@@ -720,11 +720,11 @@ RUN_MARKER = "rlver-run.json"  # written into a trainer's output folder when its
 
 # The options that make a run what it is, which a resume keeps: other values would mix two methods in one run
 # (or fail on weights of another shape). Each trainer adds its own; batch sizes and learning rates may change.
-KEPT_ON_RESUME = ("think", "start_emotion", "max_turns", "max_think_tokens", "max_reply_tokens", "max_dialogue_tokens",
-                "format_penalty", "policy_prompt", "backend", "variant", "simulator_model", "change_bound",
-                "language", "simulator_prompts", "policy_prompts", "use_peft", "lora_r", "lora_alpha", "dtype",
-                "temperature", "turn_credit", "profiles", "empty_user_message",
-                "analysis_emotion", "simulator_temperature", "simulator_max_tokens")
+KEPT_ON_RESUME = ("think", "start_emotion", "max_turns", "max_think_tokens", "max_reply_tokens",
+                  "max_dialogue_tokens", "format_penalty", "policy_prompt", "backend", "variant", "simulator_model",
+                  "change_bound", "language", "simulator_prompts", "policy_prompts", "use_peft", "lora_r",
+                  "lora_alpha", "dtype", "temperature", "turn_credit", "profiles", "empty_user_message",
+                  "analysis_emotion", "simulator_temperature", "simulator_max_tokens")
 
 
 def run_settings(names, *options) -> dict:

@@ -528,10 +528,10 @@ def old_logprobs_and_values(model, batch: dict, order: list[int], temperature: f
     micro-batch of the first epoch's `order` (of placeholder_rows when there are no rows). That micro-batch is
     trained before any weight changes, so its old log-probs and values are its new ones, detached: its pass is
     made once, with graphs, and serves both (with one micro-batch per batch, as in the demo, no separate
-    no-grad pass is made at all). The other micro-batches are scored without graphs, grouped as the first epoch trains them, by
-    the networks outside their DDP or DeepSpeed wrapper: scoring trains nothing, and DDP's forward pass
-    after a training pass broadcasts the buffers (a collective), which ranks scoring different numbers of
-    micro-batches would pair with the wrong collectives of the others."""
+    no-grad pass is made at all). The other micro-batches are scored without graphs, grouped as the first
+    epoch trains them, by the networks outside their DDP or DeepSpeed wrapper: scoring trains nothing, and
+    DDP's forward pass after a training pass broadcasts the buffers (a collective), which ranks scoring
+    different numbers of micro-batches would pair with the wrong collectives of the others."""
     micro_batches = [order[start:start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
     old_logprobs, old_values = torch.zeros_like(batch["action_mask"]), torch.zeros_like(batch["action_mask"])
     if not micro_batches:  # a rank without rows: its first pass, like every rank's, is a collective under DDP

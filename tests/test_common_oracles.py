@@ -2,7 +2,9 @@
 against oracles written apart from the code (a file cut at every byte of its last line, rules at the values
 where they turn)."""
 import json
+import os
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import pytest
@@ -384,3 +386,41 @@ def test_config_values_that_read_as_their_flags_would_are_taken(tmp_path):
     config.write_text("max_steps: 3\nlearning_rate: 1e-4\nthink: true\ngamma: 1\n")  # 1e-4: a string to YAML 1.1
     args, dialogue_args, _ = train_ppo.parse_arguments(["--config", str(config)])
     assert (args.max_steps, args.learning_rate, dialogue_args.think, args.gamma) == (3, 1e-4, True, 1.0)
+
+
+@pytest.mark.parametrize("accelerator, given, expected", [(False, None, "cpu"), (True, None, None),
+                                                          (False, "xpu", "xpu")])
+def test_quiet_libraries_tells_deepspeed_the_cpu_only_where_torch_sees_no_accelerator(monkeypatch, accelerator, given,
+                                                                                        expected):
+    """On a GPU machine DeepSpeed must find the GPU itself; a DS_ACCELERATOR the user set is kept."""
+    import torch
+    from transformers.utils import logging as transformers_logging
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: accelerator)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    if given:
+        monkeypatch.setenv("DS_ACCELERATOR", given)
+    previous = transformers_logging.set_tqdm_hook(None)
+    try:
+        with warnings.catch_warnings():  # its filters stay in this test
+            common.quiet_libraries()
+        assert os.environ.get("DS_ACCELERATOR") == expected
+    finally:
+        transformers_logging.set_tqdm_hook(previous)
+
+
+def test_quiet_libraries_hides_the_weight_loading_bar_and_no_other(monkeypatch):
+    from transformers.utils import logging as transformers_logging
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)  # what it sets is undone after the test
+    previous = transformers_logging.set_tqdm_hook(None)
+    try:
+        with warnings.catch_warnings():
+            common.quiet_libraries()
+        loading = transformers_logging.tqdm(range(3), desc="Loading weights")
+        downloading = transformers_logging.tqdm(range(3), desc="Downloading")
+        assert getattr(loading, "disable", True) and list(loading) == [0, 1, 2]
+        assert not getattr(downloading, "disable", False)
+        downloading.close()
+    finally:
+        transformers_logging.set_tqdm_hook(previous)

@@ -36,6 +36,8 @@ def test_every_dialogue_of_a_group_spanning_both_ranks_opens_with_the_same_line(
                              "sim-model", "--base_url", server.base_url)
         opening_requests = sum(OPENING_REQUEST in body["messages"][-1]["content"] for body in server.requests)
     assert finished.returncode == 0, finished.stderr[-3000:]
+    output = finished.stdout + finished.stderr  # both ranks': the run's lines are the main process's alone
+    assert output.count("GRPO: ") == 1 and output.count("step 1/1: mean final emotion") == 1
     openings = {}  # profile -> {rank: its dialogues' first user lines}
     for rank in (0, 1):
         for line in (output_dir / f"transcripts.rank{rank}.jsonl").read_text().splitlines():

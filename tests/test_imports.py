@@ -71,7 +71,8 @@ def test_the_line_count_follows_lazy_imports_through_our_modules_and_counts_each
 
 
 def test_on_start_the_count_leaves_out_what_only_a_function_imports(tmp_path):
-    (tmp_path / "script.py").write_text("import helper\n\nif True:\n    import guarded\n\n\ndef later():\n    import lazy\n")
+    (tmp_path / "script.py").write_text(
+        "import helper\n\nif True:\n    import guarded\n\n\ndef later():\n    import lazy\n")
     (tmp_path / "helper.py").write_text("class A:\n    import in_class\n")
     for name in ("guarded", "lazy", "in_class"):
         (tmp_path / f"{name}.py").write_text("x = 1\n")

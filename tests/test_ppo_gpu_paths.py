@@ -298,6 +298,8 @@ def test_a_zero2_run_resumes_from_its_checkpoint(zero2_output, tiny_model_dir, t
     shutil.copytree(zero2_output, output_dir)
     finished = zero2_run(tiny_model_dir, tmp_path, output_dir, "--max_steps", "3", "--save_steps", "1", "--resume")
     assert f"resumed from {output_dir / 'checkpoint-2'} at step 2" in finished.stdout
+    output = finished.stdout + finished.stderr  # both ranks': the run's lines are the main process's alone
+    assert output.count("PPO: ") == 1 and output.count("step 3/3: mean final emotion") == 1
     for rank in (0, 1):
         assert [row["step"] for row in json_lines(output_dir / f"transcripts.rank{rank}.jsonl")] == [0, 0, 1, 1, 2, 2]
     assert [row["step"] for row in json_lines(output_dir / "metrics.jsonl")] == [0, 1, 2]

@@ -54,8 +54,9 @@ def source_setup(tmp_path, arguments="", fails_on="", shell="bash", how="source"
     (bin_dir / "python3").write_text(FAKE_PYTHON)
     (bin_dir / "python3").chmod(0o755)
     log = tmp_path / "pip.log"
-    script = prelude + (f"cd /; source {folder}/setup.sh {arguments}; echo \"status=$? pip=$(command -v pip)\"" if how == "source"
-              else f"cd /; {shell} {folder}/setup.sh {arguments}; echo \"status=$?\"")
+    sourced = f"cd /; source {folder}/setup.sh {arguments}; echo \"status=$? pip=$(command -v pip)\""
+    run = f"cd /; {shell} {folder}/setup.sh {arguments}; echo \"status=$?\""
+    script = prelude + (sourced if how == "source" else run)
     finished = subprocess.run([shell, "-c", script], capture_output=True, text=True, timeout=60,
                               env={**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "PIP_LOG": str(log),
                                    "PIP_FAILS_ON": fails_on, "HF_HOME": str(tmp_path / "hf")})
