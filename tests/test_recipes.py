@@ -71,6 +71,7 @@ def test_a_grpo_recipe_holds_the_papers_values(recipe):
     assert not dialogue_args.think or dialogue_args.max_think_tokens == 4096
     assert simulator_args.backend == "llm" and simulator_args.variant == "vanilla"
     assert training_args.gradient_checkpointing is True and training_args.logging_steps == 1
+    assert training_args.dataloader_pin_memory is True  # the demo pins only where CUDA is; a GPU run pins
     assert yaml.safe_load(recipe.read_text())["bf16"] is True  # overridden above only for this CPU machine
     assert training_args.report_to == ["trackio"]
 
