@@ -10,6 +10,7 @@ import sys
 import time
 
 import common
+import guards
 
 _CURRENT_CALL = contextvars.ContextVar("current_simulator_call")  # the common.CallStats an HTTP attempt counts into
 CHECK_TIMEOUT = 10.0  # seconds a start-up model listing may take (an endpoint that never answers fails then)
@@ -33,8 +34,8 @@ class ChatClient:
         reply cut before its `Response:` would otherwise become the user's whole message."""
         import openai
 
-        if not common.is_url(base_url):
-            raise common.InputError(f"the {role} endpoint's address {base_url}: must be {common.URL[1]}")
+        if not guards.is_url(base_url):
+            raise common.InputError(f"the {role} endpoint's address {base_url}: must be {guards.URL[1]}")
         # Local servers (vLLM) accept any key; commercial APIs need the named variable set.
         api_key = os.environ.get(api_key_env) or "EMPTY"
         if api_key == "EMPTY" and api_key_env != "OPENAI_API_KEY":  # a variable named on purpose, left unset

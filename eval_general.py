@@ -60,9 +60,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
+import guards
 
 if __name__ == "__main__":
-    common.start_script("the graded items' rows are in --output_dir (run the same command again to grade the rest)")
+    guards.start_script("the graded items' rows are in --output_dir (run the same command again to grade the rest)")
 
 import numpy as np
 from trl import TrlParser
@@ -126,7 +127,7 @@ class GeneralEvalArguments:
     bootstrap_samples: int = field(default=10000, metadata={"help": "resamples for the paired bootstrap"})
 
     def __post_init__(self):
-        common.check_options(
+        guards.check_options(
             self, tasks=(lambda value: (tasks := task_list(value)) and set(tasks) <= set(TASKS)
                          and len(set(tasks)) == len(tasks),  # a repeat is graded twice
                          f"one or more of {', '.join(TASKS)}, comma-separated, each once"),
@@ -135,14 +136,14 @@ class GeneralEvalArguments:
                                    f"one of {', '.join(LIVECODEBENCH_FILES)}"),
             livecodebench_start_date=(is_date, "a date, YYYY-MM-DD"),
             livecodebench_end_date=(is_date, "a date, YYYY-MM-DD"),
-            temperature=common.NOT_NEGATIVE, top_p=(lambda value: 0 < value <= 1, "above 0 and at most 1"),
+            temperature=guards.NOT_NEGATIVE, top_p=(lambda value: 0 < value <= 1, "above 0 and at most 1"),
             max_new_tokens=(lambda value: value >= 1, "at least 1 (leave it out for each task's own budget)"),
-            batch_size=common.AT_LEAST_ONE, seed=common.SEED,
+            batch_size=guards.AT_LEAST_ONE, seed=guards.SEED,
             code_memory_mb=(lambda value: MIN_CODE_MEMORY_MB <= value <= 2**20,
                             f"from {MIN_CODE_MEMORY_MB} to {2**20} (MB: 1 TB)"),
             compare=(lambda value: len(value) in (0, 2), "two paths: BASE TRAINED"),
-            bootstrap_samples=common.BOOTSTRAP_SAMPLES, model_base_url=common.URL,
-            model_timeout=common.CALL_TIMEOUT, model_max_retries=common.RETRIES)
+            bootstrap_samples=guards.BOOTSTRAP_SAMPLES, model_base_url=guards.URL,
+            model_timeout=guards.CALL_TIMEOUT, model_max_retries=guards.RETRIES)
         start, end = self.livecodebench_start_date, self.livecodebench_end_date
         if start and end and start > end:
             raise common.ArgumentError(f"--livecodebench_start_date {start} is after --livecodebench_end_date {end}")
@@ -187,7 +188,7 @@ def read_hub_rows(task: str, split: str, local_flag: str) -> list[dict]:
     try:
         import datasets
 
-        if common.hub_unreachable():  # read the local datasets cache only: fail in seconds, not a minute
+        if guards.hub_unreachable():  # read the local datasets cache only: fail in seconds, not a minute
             datasets.config.HF_HUB_OFFLINE = True
         return [dict(row) for row in datasets.load_dataset(HUB_DATASETS[task], split=split)]
     except Exception as error:  # no network, no such dataset, a proxy error: all end the same way
@@ -252,7 +253,7 @@ def livecodebench_rows(args) -> list[dict]:
         try:
             from huggingface_hub import hf_hub_download
 
-            offline = bool(common.hub_unreachable())  # then only the hub cache: fail in seconds, not a minute
+            offline = bool(guards.hub_unreachable())  # then only the hub cache: fail in seconds, not a minute
             paths = [hf_hub_download(HUB_DATASETS["livecodebench"], name, repo_type="dataset", local_files_only=offline)
                      for name in names]
         except Exception as error:
@@ -615,7 +616,7 @@ def with_think_prompt(messages: list[dict], think: bool) -> list[dict]:
 def run_record(task: str, args: GeneralEvalArguments) -> dict:
     """What every row of a task records as its "made_by": the tested model, and the settings that shape a score."""
     max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else TASK_MAX_NEW_TOKENS[task]
-    return {**common.model_record(args.model, args.model_base_url), "think": args.think,
+    return {**guards.model_record(args.model, args.model_base_url), "think": args.think,
             "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "max_new_tokens": max_new_tokens,
             **({"code_memory_mb": args.code_memory_mb} if task in CODE_TASKS else {})}
 
@@ -627,13 +628,13 @@ def finished_items(path: Path, items: list[dict], made_by: dict) -> set:
     done = {row["id"] for row in rows}
     if len(done) < len(rows):
         raise DataError(f"{path}: holds two rows of one item (two runs' rows?); choose another --output_dir")
-    common.check_inputs_unchanged(path, rows, {item["id"]: common.digest(item) for item in items}, "item")
+    guards.check_inputs_unchanged(path, rows, {item["id"]: guards.digest(item) for item in items}, "item")
     unknown = done - {item["id"] for item in items}
     if unknown:
         raise DataError(f"{path} holds items this data does not have (e.g. {sorted(unknown)[0]}); "
                         "choose another --output_dir")
-    common.check_made_by(path, rows, made_by)
-    common.note_output(path)  # as this run found it (or its absence): each batch's rows are added only to that
+    guards.check_made_by(path, rows, made_by)
+    guards.note_output(path)  # as this run found it (or its absence): each batch's rows are added only to that
     return done
 
 
@@ -664,17 +665,17 @@ def run_task(task: str, items: list[dict], done: set, args: GeneralEvalArguments
             rows = []
             for item, text, response, verdict in zip(batch, raw, responses, graders):
                 row = {"id": item["id"], "prompt": item["messages"][-1]["content"], "output": text, "verdict": verdict,
-                       "made_by": made_by, "input_digest": common.digest(item)}
+                       "made_by": made_by, "input_digest": guards.digest(item)}
                 row.update({key: item[key] for key in BREAKDOWNS.get(task, ())})
                 if args.think:
                     row["graded_response"] = response
                 rows.append(row)
             output_dir.parent.mkdir(parents=True, exist_ok=True)  # with the first rows: a run failing earlier
-            common.hold(output_dir, "--output_dir", create="folder")  # leaves nothing; held from then on
-            common.append_rows_kept(path, rows)  # a last line cut short by a killed run is dropped first
+            guards.hold(output_dir, "--output_dir", create="folder")  # leaves nothing; held from then on
+            guards.append_rows_kept(path, rows)  # a last line cut short by a killed run is dropped first
             bar.update(len(rows))
     bar.close()
-    common.check_output_kept(path)  # the figures cover this model's rows only
+    guards.check_output_kept(path)  # the figures cover this model's rows only
     wanted = {item["id"] for item in items}
     return [row for row in read_result_rows(path, skip_cut_last_line=True) if row["id"] in wanted]
 
@@ -717,17 +718,17 @@ def evaluate(args: GeneralEvalArguments) -> dict:
 
     tasks = task_list(args.tasks)
     output_dir = Path(args.output_dir).expanduser() if args.output_dir else default_output_dir(args)  # ~ as a shell
-    common.check_output_folder(output_dir, "output_dir")
-    if (output_dir / common.RUN_MARKER).is_file():  # its files would mix with the run's
+    guards.check_output_folder(output_dir, "output_dir")
+    if (output_dir / guards.RUN_MARKER).is_file():  # its files would mix with the run's
         raise DataError(f"--output_dir {output_dir}: a training run's folder; give a folder of its own")
-    common.check_vllm(args.use_vllm and not args.model_base_url)
-    common.check_local_model(args)  # a mistyped --model fails in a second, not after the data loads
+    guards.check_vllm(args.use_vllm and not args.model_base_url)
+    guards.check_local_model(args)  # a mistyped --model fails in a second, not after the data loads
     data = {task: load_items(task, args) for task in tasks}  # before the model: bad data fails in seconds
     check_sandbox(data, args.code_memory_mb)
     if output_dir.is_dir():  # two evaluations at once would both grade the rest (a new folder: run_task)
-        common.hold(output_dir, "--output_dir")
+        guards.hold(output_dir, "--output_dir")
     summary_path = output_dir / "summary.json"
-    made_by = common.model_record(args.model, args.model_base_url)
+    made_by = guards.model_record(args.model, args.model_base_url)
     summary = read_summary(summary_path, made_by, args.think) if summary_path.is_file() else {}
     done = {task: finished_items(output_dir / f"{task}.jsonl", data[task], run_record(task, args)) for task in tasks}
     backend = make_backend(args)
@@ -736,8 +737,8 @@ def evaluate(args: GeneralEvalArguments) -> dict:
             rows = run_task(task, data[task], done[task], args, backend, output_dir, tqdm)
         except KeyboardInterrupt:  # every graded batch's rows are in the task's file already
             if not any(output_dir.glob("*.jsonl")):
-                common.exit_interrupted("before any item was graded; nothing was written")
-            common.exit_interrupted(f"the graded items are in {output_dir}; run the same command again to "
+                guards.exit_interrupted("before any item was graded; nothing was written")
+            guards.exit_interrupted(f"the graded items are in {output_dir}; run the same command again to "
                                     "grade the rest")
         summary[task] = summarize(task, rows)
         partial = summary_path.with_suffix(".json.partial")
@@ -830,7 +831,7 @@ def format_summary(summary: dict) -> str:
 
 def main(argv=None) -> None:
     parser = TrlParser(GeneralEvalArguments, description=__doc__.split("\n")[0])
-    (args,) = common.parse_arguments(parser, sys.argv[1:] if argv is None else list(argv))  # as the trainers
+    (args,) = guards.parse_arguments(parser, sys.argv[1:] if argv is None else list(argv))  # as the trainers
     try:
         if args.compare:
             table = compare(*args.compare, samples=args.bootstrap_samples)
@@ -842,7 +843,7 @@ def main(argv=None) -> None:
     except OSError as error:  # a full disk, a name too long, a folder removed while writing
         sys.exit(f"error: {error} (the graded items' rows are kept: fix it, then run the same command)")
     except KeyboardInterrupt:  # while a model loads or the summary is made; the dialogues say their own
-        common.exit_interrupted("the graded items' rows are in --output_dir; run the same command again to grade "
+        guards.exit_interrupted("the graded items' rows are in --output_dir; run the same command again to grade "
                                 "the rest")
     print(format_summary(summary))
     print(f"\nper-item results and summary.json in "

@@ -41,9 +41,10 @@ from pathlib import Path
 from typing import Literal
 
 import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
+import guards
 
 if __name__ == "__main__":
-    common.start_script("the finished scenarios' rows are in --output (run the same command again to play the rest)")
+    guards.start_script("the finished scenarios' rows are in --output (run the same command again to play the rest)")
 
 import numpy as np
 from trl import TrlParser
@@ -94,13 +95,13 @@ class EvalArguments:
     bootstrap_samples: int = field(default=10000, metadata={"help": "resamples for the score's 95%% interval"})
 
     def __post_init__(self):
-        common.check_options(
+        guards.check_options(
             self, limit=(lambda value: value >= 1, "at least 1 (leave it out for every scenario)"),
-            max_reply_tokens=common.AT_LEAST_ONE, max_think_tokens=common.AT_LEAST_ONE,
-            max_dialogue_tokens=common.AT_LEAST_ONE, temperature=common.NOT_NEGATIVE,
-            top_p=(lambda value: 0 < value <= 1, "above 0 and at most 1"), seed=common.SEED,
-            batch_size=common.AT_LEAST_ONE, bootstrap_samples=common.BOOTSTRAP_SAMPLES, model_base_url=common.URL,
-            model_timeout=common.CALL_TIMEOUT, model_max_retries=common.RETRIES)
+            max_reply_tokens=guards.AT_LEAST_ONE, max_think_tokens=guards.AT_LEAST_ONE,
+            max_dialogue_tokens=guards.AT_LEAST_ONE, temperature=guards.NOT_NEGATIVE,
+            top_p=(lambda value: 0 < value <= 1, "above 0 and at most 1"), seed=guards.SEED,
+            batch_size=guards.AT_LEAST_ONE, bootstrap_samples=guards.BOOTSTRAP_SAMPLES, model_base_url=guards.URL,
+            model_timeout=guards.CALL_TIMEOUT, model_max_retries=guards.RETRIES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,7 +251,7 @@ def run_record(args: EvalArguments, simulator_args: simulator.SimulatorArguments
                                   simulator_max_tokens="simulator_max_tokens")
     if simulator_args.simulator_prompts != "ours":  # ours always ask again, and show the current emotion
         simulator_settings.update(empty_user_message="empty_user_message", analysis_emotion="analysis_emotion")
-    return {**common.model_record(args.model, args.model_base_url),
+    return {**guards.model_record(args.model, args.model_base_url),
             **{key: getattr(args, key) for key in settings},
             **{key: getattr(simulator_args, option) for key, option in simulator_settings.items()}}
 
@@ -265,19 +266,19 @@ def finished_ids(path: Path, made_by: dict, profiles: list, profiles_file: str, 
         where = f"the first {limit} of {profiles_file} (--limit {limit})" if limit else profiles_file
         raise ResultFileError(f"{path} holds results for scenarios not in {where} (e.g. {sorted(unknown)[0]}); "
                               f"choose another --output{' or raise --limit' if limit else ''}")
-    common.check_made_by(path, rows, made_by)
-    common.check_inputs_unchanged(path, rows, {p.id: common.digest(p.to_row()) for p in profiles}, "scenario")
+    guards.check_made_by(path, rows, made_by)
+    guards.check_inputs_unchanged(path, rows, {p.id: guards.digest(p.to_row()) for p in profiles}, "scenario")
     return done
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
-    """Append result rows. The first make the file (and its folder), held from then on (common.hold): a run
+    """Append result rows. The first make the file (and its folder), held from then on (guards.hold): a run
     that fails earlier leaves nothing behind."""
     if not rows:  # a batch whose every user failed: no file made for nothing
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    common.hold(path, "--output", create="file")
-    common.append_rows_kept(path, rows)  # a last line cut short by a killed run is dropped first
+    guards.hold(path, "--output", create="file")
+    guards.append_rows_kept(path, rows)  # a last line cut short by a killed run is dropped first
 
 
 def benchmark_dialogues(args: EvalArguments) -> rollout.DialogueArguments:
@@ -314,7 +315,7 @@ def play_local(args, simulator_args, chat, profiles, done: set, output: Path, pr
             dialogues = runner.run([(p, p.first_talk) for p in batch], generate)
             failed += [d for d in dialogues if d.failure is not None]
             rows = [{**d.simulator.result_row(d.think_texts), "made_by": made_by,
-                     "input_digest": common.digest(d.profile.to_row())} for d in dialogues if d.failure is None]
+                     "input_digest": guards.digest(d.profile.to_row())} for d in dialogues if d.failure is None]
             append_rows(output, rows)
             progress(rows)
     finally:
@@ -353,7 +354,7 @@ async def play_endpoint(args, simulator_args, chat, profiles, done: set, output:
                 thoughts.append(thought)
                 turn = await user.respond(reply)
                 messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": turn.message}]
-            row = {**user.result_row(thoughts), "made_by": made_by, "input_digest": common.digest(profile.to_row())}
+            row = {**user.result_row(thoughts), "made_by": made_by, "input_digest": guards.digest(profile.to_row())}
         append_rows(output, [row])  # one event loop thread: appends never interleave
         progress([row])
 
@@ -365,24 +366,24 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
     profiles = simulator.load_profiles(args.profiles, require_first_talk=True)[:args.limit]
     simulator.check_backend(profiles, simulator_args)
     simulator.check_policy_prompts(simulator_args, args.think)
-    common.check_vllm(args.use_vllm and not args.model_base_url)
+    guards.check_vllm(args.use_vllm and not args.model_base_url)
     output = Path(args.output).expanduser() if args.output else default_output(args)  # ~ as a shell reads it
     # A file of rows, ours, is resumed (finished_ids).
     # Ours: rows that say who made them (a training run's transcripts are rows too, without it).
-    common.check_output_file(output, "output", common.starts_with(b'"made_by": {', 1 << 22), [args.profiles])
+    guards.check_output_file(output, "output", guards.starts_with(b'"made_by": {', 1 << 22), [args.profiles])
     summary_path = output.with_suffix(".summary.json")
-    common.check_output_file(summary_path, "output", common.json_object_with("made_by"), [args.profiles, output])
+    guards.check_output_file(summary_path, "output", guards.json_object_with("made_by"), [args.profiles, output])
     summarised = (json.loads(summary_path.read_bytes()).get("results")
                   if summary_path.is_file() and summary_path.stat().st_size else None)
     if summarised and Path(summarised).name != output.name:  # results.jsonl and results share results.summary.json
         raise common.InputError(f"--output {output}: its summary file, {summary_path}, is the summary of "
                                 f"{summarised}; give an --output of another name")
     if output.exists():  # two evaluations at once would both play the rest (a new file: append_rows)
-        common.hold(output, "--output")
+        guards.hold(output, "--output")
     made_by = run_record(args, simulator_args)
     done = finished_ids(output, made_by, profiles, args.profiles, args.limit)
     if len(done) < len(profiles):
-        common.check_local_model(args)
+        guards.check_local_model(args)
         chat = rollout.make_chat(simulator_args)
         points = []
         with rollout.DialogueProgress(len(profiles), len(done), "scenarios") as bar:
@@ -397,9 +398,9 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
                     play_local(args, simulator_args, chat, profiles, done, output, progress)
             except KeyboardInterrupt:  # every finished scenario's row is in the output already
                 finished = finished_ids(output, made_by, profiles, args.profiles, args.limit)
-                common.exit_interrupted(f"{len(finished)} of {len(profiles)} scenarios are in "
+                guards.exit_interrupted(f"{len(finished)} of {len(profiles)} scenarios are in "
                                         f"{output}; run the same command again to play the rest")
-    common.check_output_kept(output)  # the summary covers this model's rows only
+    guards.check_output_kept(output)  # the summary covers this model's rows only
     summary = summarize(read_results(output, skip_cut_last_line=True), args.bootstrap_samples)
     summary.update(results=str(output), made_by=made_by)
     summary_path.write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
@@ -408,7 +409,7 @@ def evaluate(args: EvalArguments, simulator_args: simulator.SimulatorArguments) 
 
 def main(argv=None) -> None:
     parser = TrlParser((EvalArguments, simulator.SimulatorArguments), description=__doc__.split("\n")[0])
-    args, simulator_args = common.parse_arguments(parser, sys.argv[1:] if argv is None else list(argv))
+    args, simulator_args = guards.parse_arguments(parser, sys.argv[1:] if argv is None else list(argv))
     try:
         if args.rescore:
             summaries = {path: summarize(read_results(path), args.bootstrap_samples) for path in args.rescore}
@@ -423,7 +424,7 @@ def main(argv=None) -> None:
     except OSError as error:  # a full disk, a name too long, a folder removed while writing
         sys.exit(f"error: {error} (the finished scenarios' rows are kept: fix it, then run the same command)")
     except KeyboardInterrupt:  # while a model loads or the summary is made; the dialogues say their own
-        common.exit_interrupted("the finished scenarios' rows are in --output; run the same command again to play "
+        guards.exit_interrupted("the finished scenarios' rows are in --output; run the same command again to play "
                                 "the rest")
     print(format_summary(summary, f"Sentient benchmark: {summary['results']} ({args.model}"
                                   f"{', think' if args.think else ''}; {simulator_args.backend} simulator)"))

@@ -266,7 +266,9 @@ def load_tokenizer(args):
     first, so the dialogue runner and the simulator's endpoint are checked before the weights load."""
     from transformers import AutoTokenizer
 
-    folder = common.loadable_model(args.model)
+    import guards  # the evaluations' model checks; training never loads a model this way
+
+    folder = guards.loadable_model(args.model)
     return folder, AutoTokenizer.from_pretrained(folder)
 
 

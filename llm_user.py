@@ -17,6 +17,7 @@ import threading
 
 import chat_client
 import common
+import guards
 import official
 import simulator
 
@@ -70,8 +71,8 @@ class LocalChat:
     def __init__(self, model_name_or_path: str, temperature: float, max_new_tokens: int):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path = common.resolve_model(model_name_or_path, "simulator_model")
-        common.check_model_folder(path, "simulator_model")
+        path = guards.checked_model(model_name_or_path, "simulator_model")
+        guards.check_model_folder(path, "simulator_model")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if not self.tokenizer.chat_template:
             raise simulator.SimulatorError(f"{model_name_or_path} has no chat template; use an instruct/chat model")
@@ -229,9 +230,9 @@ def make_chat(args: "simulator.SimulatorArguments"):
         if not base_url:
             raise simulator.SimulatorError("--backend llm needs --base_url, e.g. http://localhost:8000/v1 for "
                                            "`vllm serve`")
-        if not args.base_url and not common.is_url(base_url):  # the flag is checked while parsing
+        if not args.base_url and not guards.is_url(base_url):  # the flag is checked while parsing
             raise simulator.SimulatorError(f"$OPENAI_BASE_URL {base_url!r} (the simulator's address, as no --base_url "
-                                           f"is given): must be {common.URL[1]}; set it so, or pass --base_url")
+                                           f"is given): must be {guards.URL[1]}; set it so, or pass --base_url")
         return chat_client.ChatClient(base_url, args.simulator_model, args.api_key_env,
                                       temperature=args.simulator_temperature, max_tokens=args.simulator_max_tokens,
                                       timeout=args.simulator_timeout, max_retries=args.simulator_max_retries,

@@ -25,6 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import common
+import guards
 
 EDGE_SHARE = 0.2  # compare the first and the last 20% of steps
 SMOOTHING = 5  # steps in the moving average drawn over the per-step means
@@ -70,7 +71,7 @@ def step_means(run_dir: Path, metric: str = "emotion") -> dict[int, float]:
                 *first, last = [repr(key) for key in ("step", *fields)]
                 raise common.InputError(f"{where}: a transcript row needs numbers {', '.join(first)} and {last}; "
                                         "is it a train_grpo.py/train_ppo.py transcript?")
-            common.check_steps_in_order(where, row["step"], last_step)
+            guards.check_steps_in_order(where, row["step"], last_step)
             rows_by_step[row["step"]].append(row)
     if not rows_by_step:
         raise common.InputError(f"{', '.join(map(str, files))}: no transcript rows (empty?); nothing to plot")
@@ -80,7 +81,7 @@ def step_means(run_dir: Path, metric: str = "emotion") -> dict[int, float]:
 def trained_with_think(run_dir: Path) -> bool:
     """Whether the run's marker (the trainers' rlver-run.json) records --think; True where it says nothing."""
     try:
-        settings = json.loads((run_dir / common.RUN_MARKER).read_text(encoding="utf-8")).get("settings", {})
+        settings = json.loads((run_dir / guards.RUN_MARKER).read_text(encoding="utf-8")).get("settings", {})
     except (OSError, ValueError, AttributeError):
         return True
     return settings.get("think", True) is not False
@@ -190,7 +191,7 @@ def main(argv=None) -> None:
     seen = {}
     try:
         for run_dir in runs:  # a run given twice (or by a link) would count as two seeds
-            real = common.real_path(run_dir)
+            real = guards.real_path(run_dir)
             if real in seen:
                 parser.error(f"{run_dir}: the same run as {seen[real]}; give each run once")
             seen[real] = run_dir
@@ -201,7 +202,7 @@ def main(argv=None) -> None:
                 raise common.InputError(f"{run_dir}: {len(means)} step{'s' if len(means) > 1 else ''}; comparing "
                                         "its first and last steps needs at least 4 (2 at each end)")
         inputs = [path for run_dir in runs for path in run_dir.glob("transcripts*.jsonl")]
-        common.check_output_file(out, "out", common.starts_with(SOFTWARE.encode(), 8192), inputs)
+        guards.check_output_file(out, "out", guards.starts_with(SOFTWARE.encode(), 8192), inputs)
     except common.InputError as error:
         sys.exit(f"error: {error}")
     decimals = METRICS[args.metric][3]
@@ -230,8 +231,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    common.start_script("run it again (a plot being written may be cut short)")
+    guards.start_script("run it again (a plot being written may be cut short)")
     try:
         main()
     except KeyboardInterrupt:
-        common.exit_interrupted("run it again (a plot being written may be cut short)")
+        guards.exit_interrupted("run it again (a plot being written may be cut short)")

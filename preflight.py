@@ -17,6 +17,7 @@ from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK,
 from trl import GRPOConfig
 
 import common
+import guards
 import rollout
 
 
@@ -28,14 +29,14 @@ def check_trl_options(training_args: GRPOConfig, model_args) -> None:
     """TRL's dataclasses are not ours: check their values here, or inf, nan or a negative temperature would
     fail only after the model loaded (with a traceback), or not at all (save_steps 0 and max_steps -5 train on
     without the checkpoints or the steps asked for)."""
-    common.check_options(training_args, temperature=common.POSITIVE, learning_rate=common.NOT_NEGATIVE,
-                         per_device_train_batch_size=common.AT_LEAST_ONE, num_generations=common.AT_LEAST_ONE,
-                         gradient_accumulation_steps=common.AT_LEAST_ONE, save_steps=common.POSITIVE,
+    guards.check_options(training_args, temperature=guards.POSITIVE, learning_rate=guards.NOT_NEGATIVE,
+                         per_device_train_batch_size=guards.AT_LEAST_ONE, num_generations=guards.AT_LEAST_ONE,
+                         gradient_accumulation_steps=guards.AT_LEAST_ONE, save_steps=guards.POSITIVE,
                          max_steps=(lambda value: value == -1 or value >= 1,
                                     "at least 1 (or -1: as many as --num_train_epochs make)"),
-                         beta=common.NOT_NEGATIVE, seed=common.SEED,
-                         data_seed=(lambda value: value is None or common.SEED[0](value), common.SEED[1]))
-    common.check_options(model_args)
+                         beta=guards.NOT_NEGATIVE, seed=guards.SEED,
+                         data_seed=(lambda value: value is None or guards.SEED[0](value), guards.SEED[1]))
+    guards.check_options(model_args)
 
 
 def check_turn_credit(dialogue_args, credit_args, training_args: GRPOConfig) -> None:
@@ -80,10 +81,10 @@ def demo_defaults_kept(argv: list[str], parser, demo_defaults: dict) -> dict:
     """The demo defaults (train_grpo.DEMO_DEFAULTS, set on `parser`) that a run with --config keeps because
     neither its YAML nor a flag sets them: a paper-scale config must not inherit the CPU demo's LoRA,
     learning rate or save_strategy unnoticed."""
-    path = common.config_file(argv)
+    path = guards.config_file(argv)
     if path is None:
         return {}
-    config_keys = set(common.read_config(path, parser, extra_keys=("env",)))
+    config_keys = set(guards.read_config(path, parser, extra_keys=("env",)))
     flags = {arg[2:].split("=")[0] for arg in argv if arg.startswith("--")}
     return {key: value for key, value in demo_defaults.items() if key not in config_keys | flags}
 
@@ -104,11 +105,11 @@ def check_setup(argv: list[str], training_args: GRPOConfig, parser, demo_default
         where = " (trackio is in requirements-gpu.txt)" if "trackio" in missing else ""
         raise SystemExit(f"--report_to {','.join(missing)}: {' and '.join(missing)} not installed. Install it with "
                          f"pip install {' '.join(missing)}{where}, or pass --report_to none")
-    common.check_output_folder(training_args.output_dir, "output_dir")  # not found at the first save
+    guards.check_output_folder(training_args.output_dir, "output_dir")  # not found at the first save
     kept = demo_defaults_kept(argv, parser, demo_defaults)
     if kept:
         values = ", ".join(f"{key}={value!r}" for key, value in kept.items())
-        warnings.warn(f"{common.config_file(argv)} leaves the offline demo's values in force: {values}; "
+        warnings.warn(f"{guards.config_file(argv)} leaves the offline demo's values in force: {values}; "
                       "state these keys in the config")
     if training_args.use_vllm and training_args.vllm_enable_sleep_mode:
         warnings.warn("--vllm_enable_sleep_mode: TRL discards vLLM's weights and KV cache after every generate call "
@@ -169,21 +170,21 @@ def resume_checkpoint(training_args: GRPOConfig) -> Path | None:
     run stopped before its first checkpoint."""
     given, output_dir = training_args.resume_from_checkpoint, training_args.output_dir
     if given.lower() in ("true", "latest"):
-        return common.newest_whole_checkpoint(output_dir, ("trainer_state.json",),
+        return guards.newest_whole_checkpoint(output_dir, ("trainer_state.json",),
                                               lambda note: print(note, file=sys.stderr), trainer_state_step)
     if not Path(given).exists():
         raise common.InputError(f"--resume_from_checkpoint {given}: no such folder; give its path, such as "
                                 f"{Path(output_dir) / Path(given).name}, or true for the newest checkpoint")
-    if common.real_path(given).parent != common.real_path(output_dir):
+    if guards.real_path(given).parent != guards.real_path(output_dir):
         # Its run's settings and rows are in that folder: a resume here would check against, and add to, neither.
         raise common.InputError(f"--resume_from_checkpoint {given}: not a checkpoint of --output_dir "
                                 f"{output_dir}; continue its run with --output_dir "
                                 f"{Path(given).parent}, or start a new run from a saved model with "
                                 "--model_name_or_path")
-    problem = common.checkpoint_problem(given, ("trainer_state.json",), trainer_state_step)
+    problem = guards.checkpoint_problem(given, ("trainer_state.json",), trainer_state_step)
     if problem:
         try:
-            newest = common.newest_whole_checkpoint(output_dir, ("trainer_state.json",), lambda note: None,
+            newest = guards.newest_whole_checkpoint(output_dir, ("trainer_state.json",), lambda note: None,
                                                     trainer_state_step)
         except common.InputError:
             newest = None
@@ -209,7 +210,7 @@ def prepare_resume(training_args: GRPOConfig, transcripts: Path) -> None:
     else:
         training_args.resume_from_checkpoint = str(checkpoint)
         trained = trainer_state_step(checkpoint)
-        common.check_steps_left("--resume_from_checkpoint", checkpoint, trained, training_args.max_steps)
+        guards.check_steps_left("--resume_from_checkpoint", checkpoint, trained, training_args.max_steps)
     files = [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]
     rollout.check_rows_up_to(files, trained)
     dropped = sum(rollout.drop_rows_from(path, trained) for path in files)
@@ -280,7 +281,7 @@ def check_tracker(report_to: str) -> None:
 def check_launch(args, accelerator) -> None:
     """Refuse the launches this loop cannot run, before any model loads; said by the main process only (every
     rank refuses alike: eight ranks would say it eight times)."""
-    common.check_process_count(accelerator)
+    guards.check_process_count(accelerator)
     problem = None
     if args.use_vllm and accelerator.num_processes > 1:
         problem = ("--use_vllm in train_ppo.py supports a single training process (the weights are pushed from one); "

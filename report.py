@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import common
+import guards
 import simulator
 
 COLORS = ("#2b6cb0", "#dd6b20")  # run A, run B
@@ -63,7 +64,7 @@ def read_rows(path: Path) -> list[dict]:
             if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
                 raise ReportError(f"{where}: 'step' must be a whole number (a training step), got {step!r}")
             if step is not None:
-                common.check_steps_in_order(where, step, last_step)
+                guards.check_steps_in_order(where, step, last_step)
             rows.append(row)
     if not rows:
         raise ReportError(f"{path}: no dialogues")
@@ -372,7 +373,7 @@ def main(argv=None) -> None:
     if (args.run is None) == (args.compare is None):
         parser.error("give one run, or --compare A B")
     try:
-        read = [{common.real_path(path)
+        read = [{guards.real_path(path)
                  for path in (given.glob("transcripts*.jsonl") if given.is_dir() else [given])}
                 for given in args.compare or [args.run]]  # each input's transcript files
         inputs = [path for paths in read for path in paths]
@@ -387,11 +388,11 @@ def main(argv=None) -> None:
             raise ReportError(f"--out {args.out}: a folder; give the HTML file's path")
         out = Path(args.out) if args.out else default
         # Checked before the runs are read; the folder is made when writing.
-        common.check_output_file(out, "out", common.starts_with(GENERATOR.encode()), inputs)
-        if args.screenshot and common.real_path(args.screenshot) == common.real_path(out):
+        guards.check_output_file(out, "out", guards.starts_with(GENERATOR.encode()), inputs)
+        if args.screenshot and guards.real_path(args.screenshot) == guards.real_path(out):
             raise ReportError(f"--screenshot {args.screenshot}: the same file as the page (--out {out}); give a .png")
         if args.screenshot:
-            common.check_output_file(args.screenshot, "screenshot", common.starts_with(SCREENSHOT_SOFTWARE.encode(), 8192),
+            guards.check_output_file(args.screenshot, "screenshot", guards.starts_with(SCREENSHOT_SOFTWARE.encode(), 8192),
                                      inputs)
         text = compare_report(*args.compare) if args.compare else run_report(args.run)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -406,8 +407,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    common.start_script("run it again (a page being written may be cut short)")
+    guards.start_script("run it again (a page being written may be cut short)")
     try:
         main()
     except KeyboardInterrupt:
-        common.exit_interrupted("run it again (a page being written may be cut short)")
+        guards.exit_interrupted("run it again (a page being written may be cut short)")

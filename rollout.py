@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Literal
 
 import common
+import guards
 import generation
 import simulator
 
@@ -108,12 +109,12 @@ class DialogueArguments:
     def __post_init__(self):
         if self.max_reply_tokens is None:  # 16 thinking + 32 reply tokens: a demo turn samples 48 either way
             self.max_reply_tokens = 32 if self.think else 48
-        common.check_options(
+        guards.check_options(
             self, start_emotion=(lambda value: 0 <= value <= simulator.MAX_EMOTION,
                                  f"within 0-{simulator.MAX_EMOTION}"),
-            max_turns=common.TURNS, max_think_tokens=common.AT_LEAST_ONE, max_reply_tokens=common.AT_LEAST_ONE,
-            max_dialogue_tokens=common.AT_LEAST_ONE, format_penalty=common.NOT_NEGATIVE,
-            batch_wait=common.NOT_NEGATIVE, simulator_concurrency=common.AT_LEAST_ONE, max_failed_share=common.FRACTION)
+            max_turns=guards.TURNS, max_think_tokens=guards.AT_LEAST_ONE, max_reply_tokens=guards.AT_LEAST_ONE,
+            max_dialogue_tokens=guards.AT_LEAST_ONE, format_penalty=guards.NOT_NEGATIVE,
+            batch_wait=guards.NOT_NEGATIVE, simulator_concurrency=guards.AT_LEAST_ONE, max_failed_share=guards.FRACTION)
         file_name = f"{self.policy_prompt}_think.txt" if self.think else f"{self.policy_prompt}.txt"
         if not list(common.PROMPTS_DIR.glob(f"*/{file_name}")) or "/" in self.policy_prompt:
             suffix = "_think.txt" if self.think else ".txt"
@@ -791,7 +792,7 @@ def drop_rows_from(path, step: int, what: str = "transcripts file") -> int:
     partial = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.partial")
     partial.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in kept), encoding="utf-8")
     partial.replace(path)
-    common.note_output(path, again=True)  # this run's own rewrite
+    guards.note_output(path, again=True)  # this run's own rewrite
     return dropped
 
 
@@ -799,4 +800,4 @@ def write_transcripts(path, dialogues: list[Dialogue], step: int | None = None) 
     """Append each dialogue's benchmark result row (plus step and thoughts) to a JSON Lines file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    common.append_rows_kept(path, [dialogue.transcript(step) for dialogue in dialogues])
+    guards.append_rows_kept(path, [dialogue.transcript(step) for dialogue in dialogues])

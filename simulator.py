@@ -34,6 +34,7 @@ import re
 from dataclasses import dataclass, field
 
 import common
+import guards
 import rule_user
 
 DEFAULT_PROFILES = common.REPO_DIR / "profiles" / "train.jsonl"
@@ -396,12 +397,12 @@ class SimulatorArguments:
                 "then the dialogue fails; our prompts always do)", "choices": [None, "keep", "ask_again"]})
 
     def __post_init__(self):
-        common.check_options(self, simulator_timeout=common.CALL_TIMEOUT, simulator_max_retries=common.RETRIES,
-                             simulator_parse_attempts=common.ATTEMPTS,
+        guards.check_options(self, simulator_timeout=guards.CALL_TIMEOUT, simulator_max_retries=guards.RETRIES,
+                             simulator_parse_attempts=guards.ATTEMPTS,
                              simulator_temperature=(lambda value: value is None or value >= 0, "0 or more"),
                              simulator_max_tokens=(lambda value: value is None or value >= 1, "at least 1"),
                              change_bound=(lambda value: 1 <= value <= MAX_EMOTION, f"within 1-{MAX_EMOTION}"),
-                             base_url=common.URL)
+                             base_url=guards.URL)
         if self.analysis_emotion == "start" and self.simulator_prompts != "rlver":
             raise common.ArgumentError("--analysis_emotion start: the released RLVER loop's way, for "
                                        "--simulator_prompts rlver only")

@@ -12,9 +12,10 @@ import sys
 from dataclasses import dataclass, field
 
 import common
+import guards
 
 if __name__ == "__main__":
-    common.start_script("the dialogue was left")
+    guards.start_script("the dialogue was left")
 
 import rollout
 import simulator
@@ -66,7 +67,7 @@ class PlayArguments:
                 f"{simulator.BENCHMARK_MAX_TURNS} turns"})
 
     def __post_init__(self):
-        common.check_options(self, max_turns=common.TURNS)
+        guards.check_options(self, max_turns=guards.TURNS)
 
 
 def main(argv=None) -> None:
@@ -88,7 +89,7 @@ def main(argv=None) -> None:
     except (common.InputError, common.EndpointError) as error:
         sys.exit(f"error: {error}")
     except KeyboardInterrupt:
-        common.exit_interrupted("the dialogue was left")
+        guards.exit_interrupted("the dialogue was left")
 
 
 async def _talk(play_args: PlayArguments, simulator_args: simulator.SimulatorArguments) -> None:

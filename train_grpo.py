@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Literal
 
 import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
+import guards
 
 if __name__ == "__main__":
-    common.start_script("every checkpoint in --output_dir is whole: continue with --resume_from_checkpoint true "
+    guards.start_script("every checkpoint in --output_dir is whole: continue with --resume_from_checkpoint true "
                           "(from the newest, or from step 0 before the first)")
 
 import torch
@@ -41,7 +42,7 @@ import preflight
 import rollout
 import simulator
 
-# With common.KEPT_ON_RESUME: the options a resume keeps.
+# With guards.KEPT_ON_RESUME: the options a resume keeps.
 GRPO_KEPT_ON_RESUME = ("lora_target_modules", "num_generations", "beta", "loss_type", "turn_credit_coef",
                        "turn_credit_baseline", "turn_credit_scale", "turn_groups")
 
@@ -95,7 +96,7 @@ class TurnCreditArguments:
                 "turn answer one context and only they and the later turns are trained (the rule user only)"})
 
     def __post_init__(self):
-        common.check_options(self, turn_credit_coef=common.NOT_NEGATIVE)
+        guards.check_options(self, turn_credit_coef=guards.NOT_NEGATIVE)
 
 
 def make_parser() -> TrlParser:
@@ -110,7 +111,7 @@ def parse_arguments(argv: list[str] | None = None):
     then flags."""
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser()
-    dialogue_args, simulator_args, credit_args, training_args, model_args = common.parse_arguments(
+    dialogue_args, simulator_args, credit_args, training_args, model_args = guards.parse_arguments(
         parser, argv, hint=preflight.batch_hint)
     try:
         preflight.check_trl_options(training_args, model_args)
@@ -250,7 +251,7 @@ def token_advantages(outcome: torch.Tensor, terms: list[list[float]], token_turn
 
 
 class StopOnCtrlC(TrainerCallback):
-    """Ctrl-C (common.StopRequest, set as `request` while training): once the step in progress is done, the
+    """Ctrl-C (guards.StopRequest, set as `request` while training): once the step in progress is done, the
     Trainer saves a full checkpoint and stops; `stopped` says it did."""
 
     def __init__(self):
@@ -290,7 +291,7 @@ class DialogueGRPOTrainer(GRPOTrainer):
             vllm_backends.merge_lora_out_of_place(self.vllm_generation)
 
     def _save_checkpoint(self, model, trial):
-        common.check_run_folder_kept(self.args.output_dir)  # not into another run's folder moved into its place
+        guards.check_run_folder_kept(self.args.output_dir)  # not into another run's folder moved into its place
         return super()._save_checkpoint(model, trial)
 
     def _generate_and_score_completions(self, inputs):
@@ -316,21 +317,21 @@ def check_inputs(argv, dialogue_args, simulator_args, credit_args, training_args
     """Every input that can be checked without a model, before one loads (or the simulator's endpoint is asked);
     then the run folder is marked as this run's. Returns (the model's folder, the profiles by id)."""
     preflight.check_setup(argv, training_args, make_parser(), DEMO_DEFAULTS)  # before anything slow
-    common.check_vllm(training_args.use_vllm)
-    model_path = common.resolve_model(model_args.model_name_or_path, "model_name_or_path")
+    guards.check_vllm(training_args.use_vllm)
+    model_path = guards.checked_model(model_args.model_name_or_path, "model_name_or_path")
     training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
     preflight.check_master_weights(model_path, training_args, model_args.use_peft)
     profiles = {p.id: p for p in simulator.load_playable_profiles(dialogue_args.profiles, simulator_args,
                                                                    dialogue_args.think)}
     preflight.check_profile_count(len(profiles), dialogue_args.profiles, training_args)
     preflight.check_addresses_on_several_nodes(simulator_args, vllm_server_address(training_args, dialogue_args))
-    common.check_process_count(training_args.distributed_state)
-    settings = common.run_settings(common.KEPT_ON_RESUME + GRPO_KEPT_ON_RESUME, dialogue_args, simulator_args,
+    guards.check_process_count(training_args.distributed_state)
+    settings = guards.run_settings(guards.KEPT_ON_RESUME + GRPO_KEPT_ON_RESUME, dialogue_args, simulator_args,
                                    credit_args, model_args, training_args)
-    common.claim_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path,
+    guards.claim_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path,
                             bool(training_args.resume_from_checkpoint), "--resume_from_checkpoint", settings,
                             training_args.distributed_state)
-    common.check_model_folder(model_path, "model_name_or_path")
+    guards.check_model_folder(model_path, "model_name_or_path")
     return model_path, profiles
 
 
@@ -348,7 +349,7 @@ def train_and_save(trainer: DialogueGRPOTrainer, training_args: GRPOConfig, runn
     """Train; save after a step where too many simulators failed, or after Ctrl-C; save the model at the end."""
     stop_on_ctrl_c = StopOnCtrlC()
     trainer.add_callback(stop_on_ctrl_c)
-    with common.StopRequest(show=trainer.accelerator.is_main_process) as stop_on_ctrl_c.request:
+    with guards.StopRequest(show=trainer.accelerator.is_main_process) as stop_on_ctrl_c.request:
         try:
             trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         except rollout.TooManySimulatorFailures as error:
@@ -360,10 +361,10 @@ def train_and_save(trainer: DialogueGRPOTrainer, training_args: GRPOConfig, runn
         folder = Path(training_args.output_dir) / f"checkpoint-{trainer.state.global_step}"
         runner.close()
         if trainer.accelerator.is_main_process:
-            common.note_interruption(training_args.output_dir, trainer.state.global_step - 1, folder,
-                                     common.resume_command("--resume_from_checkpoint", str(folder)))
+            guards.note_interruption(training_args.output_dir, trainer.state.global_step - 1, folder,
+                                     guards.resume_command("--resume_from_checkpoint", str(folder)))
         raise SystemExit(130)
-    common.check_run_folder_kept(training_args.output_dir)
+    guards.check_run_folder_kept(training_args.output_dir)
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
     if training_args.push_to_hub:
@@ -405,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
         rollout.check_failures(dialogues, dialogue_args.max_failed_share, trainer.accelerator)
         rank = trainer.accelerator.process_index
         path = transcripts if trainer.accelerator.num_processes == 1 else transcripts.with_suffix(f".rank{rank}.jsonl")
-        common.check_run_folder_kept(path.parent)
+        guards.check_run_folder_kept(path.parent)
         rollout.write_transcripts(path, dialogues, step=trainer.state.global_step)
         return rollout.rollout_output(dialogues, with_logprobs=training_args.use_vllm)
 
@@ -434,4 +435,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.16
-    common.run_trainer(main, "--resume_from_checkpoint true")
+    guards.run_trainer(main, "--resume_from_checkpoint true")

@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Literal
 
 import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
+import guards
 
 if __name__ == "__main__":
-    common.start_script("every checkpoint in --output_dir is whole: continue with --resume (from the newest, or "
+    guards.start_script("every checkpoint in --output_dir is whole: continue with --resume (from the newest, or "
                           "from step 0 before the first)")
 
 import numpy as np
@@ -111,41 +112,41 @@ class PPOArguments:
     def __post_init__(self):
         if self.micro_batch_size is None:
             self.micro_batch_size = self.minibatch_size  # no accumulation
-        positive, at_least_one, fraction = common.POSITIVE, common.AT_LEAST_ONE, common.FRACTION
+        positive, at_least_one, fraction = guards.POSITIVE, guards.AT_LEAST_ONE, guards.FRACTION
         # DeepSpeed counts a whole number of micro-batches per optimizer step
         divides_minibatch = (lambda value: value >= 1 and self.minibatch_size % value == 0,
                              f"at least 1 and divide --minibatch_size {self.minibatch_size}")
-        common.check_options(
+        guards.check_options(
             self, lora_r=at_least_one, learning_rate=positive, critic_learning_rate=positive,
             profiles_per_step=at_least_one, dialogues_per_profile=at_least_one, max_steps=at_least_one,
             ppo_epochs=at_least_one, minibatch_size=at_least_one, micro_batch_size=divides_minibatch,
             gamma=fraction, lam=fraction, clip_range=positive,
-            value_clip_range=positive, entropy_coef=common.NOT_NEGATIVE, kl_coef=common.NOT_NEGATIVE,
+            value_clip_range=positive, entropy_coef=guards.NOT_NEGATIVE, kl_coef=guards.NOT_NEGATIVE,
             max_grad_norm=positive, temperature=positive, save_steps=at_least_one, lora_alpha=positive,
-            seed=common.SEED, vllm_server_port=(lambda value: 1 <= value <= 65535, "within 1-65535"))
+            seed=guards.SEED, vllm_server_port=(lambda value: 1 <= value <= 65535, "within 1-65535"))
 
 
 def parse_arguments(argv=None):
     """(PPO, dialogue, simulator) arguments: the defaults, then the --config YAML, then flags (TrlParser)."""
     argv = sys.argv[1:] if argv is None else argv
-    return common.parse_arguments(TrlParser((PPOArguments, rollout.DialogueArguments, simulator.SimulatorArguments)),
+    return guards.parse_arguments(TrlParser((PPOArguments, rollout.DialogueArguments, simulator.SimulatorArguments)),
                                   argv)
 
 
 def check_inputs(args: PPOArguments, dialogue_args, simulator_args) -> tuple[str, list]:
     """(the policy's folder, the profiles), after refusing what would fail only once the models loaded."""
     preflight.check_tracker(args.report_to)
-    common.check_vllm(args.use_vllm)
-    common.check_output_folder(args.output_dir, "output_dir")  # else found at the first step's writes, the step lost
-    policy_path = common.resolve_model(args.model_name_or_path, "model_name_or_path")
+    guards.check_vllm(args.use_vllm)
+    guards.check_output_folder(args.output_dir, "output_dir")  # else found at the first step's writes, the step lost
+    policy_path = guards.checked_model(args.model_name_or_path, "model_name_or_path")
     if args.critic_model_name_or_path:
-        common.check_model_source(args.critic_model_name_or_path, "critic_model_name_or_path")
+        guards.check_model_source(args.critic_model_name_or_path, "critic_model_name_or_path")
     profiles = simulator.load_playable_profiles(dialogue_args.profiles, simulator_args, dialogue_args.think)
     preflight.check_addresses_on_several_nodes(simulator_args)  # --use_vllm takes one process
     return policy_path, profiles
 
 
-# With common.KEPT_ON_RESUME: the options a resume keeps.
+# With guards.KEPT_ON_RESUME: the options a resume keeps.
 PPO_KEPT_ON_RESUME = ("critic_model_name_or_path", "per_turn_rows", "gamma", "lam", "kl_coef")
 
 
@@ -278,7 +279,7 @@ def save_policy(folder: Path, model: PolicyAndCritic, tokenizer) -> None:
 def save_checkpoint(folder: Path, step: int, model, optimizer, tokenizer, accelerator) -> None:
     """Called on every rank: under DeepSpeed each rank holds a shard of the optimizer, which the engine
     saves (with every rank's RNG) into deepspeed/. Elsewhere the optimizer is whole on rank 0."""
-    common.check_run_folder_kept(folder.parent)
+    guards.check_run_folder_kept(folder.parent)
     partial = folder.with_name(folder.name + ".partial")
     if accelerator.is_main_process and partial.exists():
         shutil.rmtree(partial)  # a save of this run killed midway
@@ -337,13 +338,13 @@ def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_s
     the rows written since were of steps that are played again, so they go, with a note. (Refusing instead
     would leave the user to delete the same rows by hand.) A finished run without checkpoints is refused:
     starting it over would overwrite the policy it saved, and so is a resume with no steps left to train."""
-    checkpoint = common.newest_whole_checkpoint(output_dir, CHECKPOINT_MEMBERS, accelerator.print, checkpoint_step)
+    checkpoint = guards.newest_whole_checkpoint(output_dir, CHECKPOINT_MEMBERS, accelerator.print, checkpoint_step)
     if checkpoint is None and transcripts.exists() and (output_dir / "critic.pt").is_file():
         raise common.InputError(f"--resume: {output_dir} holds a finished run without checkpoints (none every "
                                 f"--save_steps {save_steps}), so there is nothing to continue; choose another "
                                 "--output_dir for a new run")
     step = 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
-    common.check_steps_left("--resume", checkpoint, step, max_steps)
+    guards.check_steps_left("--resume", checkpoint, step, max_steps)
     rollout.check_rows_up_to([transcripts], step)
     if accelerator.is_main_process:
         rollout.check_rows_up_to([metrics_file], step, "metrics file")
@@ -750,23 +751,23 @@ def step_dialogues(dialogues, final_rewards: list[float], accelerator) -> tuple[
 def log_step(metrics: dict, dialogues, step: int, transcripts: Path, metrics_file: Path, args: PPOArguments,
              think: bool, accelerator) -> None:
     """This rank's transcripts; the step's metrics row (every rank's: main process), console line and tracker."""
-    common.check_run_folder_kept(transcripts.parent)
+    guards.check_run_folder_kept(transcripts.parent)
     rollout.write_transcripts(transcripts, dialogues, step=step)
     if accelerator.is_main_process:
-        common.append_rows_kept(metrics_file, [metrics])
+        guards.append_rows_kept(metrics_file, [metrics])
         accelerator.print(rollout.step_line(step + 1, args.max_steps, metrics, think))
     if args.report_to != "none":
         accelerator.log(metrics, step=step)
 
 
 def stop_interrupted(output_dir: Path, step: int, saved: bool, model, optimizer, tokenizer, accelerator) -> None:
-    """Ctrl-C (common.StopRequest): save the state before `step` unless this step `saved` it, mark the run,
+    """Ctrl-C (guards.StopRequest): save the state before `step` unless this step `saved` it, mark the run,
     exit 130. Not decided by the folder's presence: a broken checkpoint passed over at resume may hold the name."""
     folder = output_dir / f"checkpoint-{step}"
     if not saved:
         save_checkpoint(folder, step, model, optimizer, tokenizer, accelerator)
     if accelerator.is_main_process:
-        common.note_interruption(output_dir, step - 1, folder, common.resume_command("--resume"))
+        guards.note_interruption(output_dir, step - 1, folder, guards.resume_command("--resume"))
     raise SystemExit(130)
 
 
@@ -786,8 +787,8 @@ def main(argv=None) -> None:
     accelerator = Accelerator(log_with=None if args.report_to == "none" else args.report_to,
                               project_dir=str(output_dir))
     preflight.check_launch(args, accelerator)
-    settings = common.run_settings(common.KEPT_ON_RESUME + PPO_KEPT_ON_RESUME, args, dialogue_args, simulator_args)
-    common.claim_run_folder(output_dir, "train_ppo.py", args.model_name_or_path, args.resume, "--resume", settings,
+    settings = guards.run_settings(guards.KEPT_ON_RESUME + PPO_KEPT_ON_RESUME, args, dialogue_args, simulator_args)
+    guards.claim_run_folder(output_dir, "train_ppo.py", args.model_name_or_path, args.resume, "--resume", settings,
                             accelerator)
     transcripts, metrics_file = run_files(output_dir, accelerator)
     accelerator.print(rollout.run_line("PPO", args.model_name_or_path, args.use_peft, simulator_args.backend,
@@ -798,9 +799,9 @@ def main(argv=None) -> None:
                                               accelerator)
     common.use_all_cpu_cores()
     seed_everything(args.seed, accelerator.process_index)
-    common.check_model_folder(policy_path, "model_name_or_path")
+    guards.check_model_folder(policy_path, "model_name_or_path")
     if args.critic_model_name_or_path:
-        common.check_model_folder(args.critic_model_name_or_path, "critic_model_name_or_path", tokenizer=False)
+        guards.check_model_folder(args.critic_model_name_or_path, "critic_model_name_or_path", tokenizer=False)
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
     runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, rollout.make_chat(simulator_args))
     runner.check_chat()  # a wrong URL, key or model name fails now, before any model loads
@@ -821,7 +822,7 @@ def main(argv=None) -> None:
     dialogues_per_step = args.profiles_per_step * args.dialogues_per_profile  # this rank's
     with rollout.DialogueProgress(args.max_steps * dialogues_per_step, start_step * dialogues_per_step,
                                   "PPO dialogues", show=accelerator.is_main_process) as bar, \
-            common.StopRequest(show=accelerator.is_main_process) as stop:
+            guards.StopRequest(show=accelerator.is_main_process) as stop:
         for step in range(start_step, args.max_steps):
             started = time.perf_counter()
 
@@ -884,7 +885,7 @@ def main(argv=None) -> None:
                 stop_interrupted(output_dir, step + 1, saved, model, optimizer, tokenizer, accelerator)
 
     if accelerator.is_main_process:
-        common.check_run_folder_kept(output_dir)
+        guards.check_run_folder_kept(output_dir)
         save_policy(output_dir, networks, tokenizer)
         torch.save(networks.critic.state_dict(), output_dir / "critic.pt")
     accelerator.end_training()
@@ -893,4 +894,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    common.run_trainer(main, "--resume")
+    guards.run_trainer(main, "--resume")

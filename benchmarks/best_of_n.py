@@ -25,9 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project's modules, run from anywhere
 
 import common  # noqa: E402  (before the libraries below: quick, and it quiets a Ctrl-C while they load)
+import guards
 
 if __name__ == "__main__":
-    common.start_script("each finished n's row is in --output (where given)")
+    guards.start_script("each finished n's row is in --output (where given)")
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -111,13 +112,13 @@ def main() -> None:
     if args.output and Path(args.output).exists():
         raise SystemExit(f"--output {args.output} exists: choose a new file (results are never overwritten)")
     if args.output:
-        common.note_output(args.output)  # absent: a file another run makes meanwhile is not written into
+        guards.note_output(args.output)  # absent: a file another run makes meanwhile is not written into
     train = args.protocol == "train"
     profiles = simulator.load_profiles(simulator.DEFAULT_PROFILES if train else simulator.DEFAULT_BENCHMARK_PROFILES)
     profiles = [profile for profile in profiles for _ in range(args.copies)]
 
     common.use_all_cpu_cores()
-    folder = common.loadable_model(args.model)  # a trained adapter merged onto its base once
+    folder = guards.loadable_model(args.model)  # a trained adapter merged onto its base once
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     generate = generation.TransformersGenerator(model, tokenizer, generation.sampling_config(tokenizer, args.temperature),
@@ -136,11 +137,11 @@ def main() -> None:
                   f"0 {shares['share_zero']:.0%}, -5 or less {shares['share_minus5']:.0%}; the rule user's reasons: "
                   + ", ".join(f"{reason} {count}" for reason, count in shares["reasons"].items()))
         if args.output:
-            common.append_rows_kept(args.output, [result])
+            guards.append_rows_kept(args.output, [result])
 
 
 if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:
-        common.exit_interrupted("each finished n's row is in --output (where given)")
+        guards.exit_interrupted("each finished n's row is in --output (where given)")

@@ -35,9 +35,10 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import chat_client  # noqa: E402
 import common  # noqa: E402  (before the libraries below: quick, and it quiets a Ctrl-C while they load)
+import guards
 
 if __name__ == "__main__":
-    common.start_script("nothing measured")
+    guards.start_script("nothing measured")
 
 import torch  # noqa: E402
 from fake_openai import FakeOpenAIServer  # noqa: E402
@@ -120,7 +121,7 @@ class TimedGenerator:
 
 def load_policy(name: str):
     if name != "tiny":
-        path = common.resolve_model(name, "policy")
+        path = guards.checked_model(name, "policy")
         return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(common.resolve_model(common.PACKAGED_MODEL))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -267,4 +268,4 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:
-        common.exit_interrupted("nothing measured")
+        guards.exit_interrupted("nothing measured")

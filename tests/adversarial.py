@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reply_styles import LISTENING_PLAY, PLAYS, SENTENCES, read_need, reading_reply, salient_words, warm_reply  # noqa: E402
 
 import common  # noqa: E402
+import guards
 import rule_user  # noqa: E402
 import simulator  # noqa: E402
 from conftest import user_options  # noqa: E402
@@ -282,4 +283,4 @@ if __name__ == "__main__":
             raise SystemExit("usage: python tests/adversarial.py [--held_out]")
         print(format_table(table(chosen), chosen))
     except KeyboardInterrupt:
-        common.exit_interrupted("nothing measured (the table is printed at the end)")
+        guards.exit_interrupted("nothing measured (the table is printed at the end)")

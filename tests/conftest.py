@@ -14,6 +14,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import guards
 import simulator  # noqa: E402
 
 # Property-based tests: the same generated examples on every run (a failure reproduces in CI and here), few
@@ -115,8 +116,8 @@ def kill_when(process, ready, seconds: float = 240) -> None:
 
 @contextlib.contextmanager
 def held_by_another_process(path):
-    """`path` (an output folder or file) held by another process's common.hold, as by a run writing there now."""
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, common; common.hold(sys.argv[1], '--x'); print('held', "
+    """`path` (an output folder or file) held by another process's guards.hold, as by a run writing there now."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, guards; guards.hold(sys.argv[1], '--x'); print('held', "
                                "flush=True); sys.stdin.read()", str(path)], cwd=REPO, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:

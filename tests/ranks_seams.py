@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from accelerate import Accelerator, InitProcessGroupKwargs  # noqa: E402
 
 import common  # noqa: E402
+import guards
 import vllm_backends  # noqa: E402
 import preflight  # noqa: E402
 import rollout  # noqa: E402
@@ -78,7 +79,7 @@ def check_failures():
 def stop_agreed():
     agreed = []
     for asking in (None, 1, 0):
-        request = common.StopRequest(show=False)
+        request = guards.StopRequest(show=False)
         request.requested = rank == asking
         agreed.append(request.stop_agreed())
     return agreed
@@ -86,10 +87,10 @@ def stop_agreed():
 
 @check
 def claim_run_folder():
-    common.claim_run_folder(shared / "run", "train_ppo.py", "tiny", False, "--resume", {"seed": 1}, accelerator)
+    guards.claim_run_folder(shared / "run", "train_ppo.py", "tiny", False, "--resume", {"seed": 1}, accelerator)
     accelerator.wait_for_everyone()
-    common.check_run_folder_kept(shared / "run")
-    return json.loads((shared / "run" / common.RUN_MARKER).read_text())["launch"]
+    guards.check_run_folder_kept(shared / "run")
+    return json.loads((shared / "run" / guards.RUN_MARKER).read_text())["launch"]
 
 
 @check

@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
+import guards
 import rule_user  # noqa: E402
 import simulator  # noqa: E402
 from conftest import user_options  # noqa: E402
@@ -228,4 +229,4 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:
-        common.exit_interrupted("what was measured is printed above; nothing written")
+        guards.exit_interrupted("what was measured is printed above; nothing written")

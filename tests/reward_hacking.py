@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
+import guards
 import rollout  # noqa: E402
 import simulator  # noqa: E402
 
@@ -96,4 +97,4 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:
-        common.exit_interrupted("what was measured is printed above; nothing written")
+        guards.exit_interrupted("what was measured is printed above; nothing written")

@@ -34,6 +34,7 @@ from adversarial import play, user_words, warmed  # noqa: E402
 from reply_styles import LISTENING_PLAY, PLAYS, SENTENCES, read_need, salient_words  # noqa: E402
 
 import common  # noqa: E402
+import guards
 import simulator  # noqa: E402
 
 # Phrases anyone might try; {0} and {1} take the user's words.
@@ -203,4 +204,4 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:
-        common.exit_interrupted("what was found is printed above; nothing written")
+        guards.exit_interrupted("what was found is printed above; nothing written")

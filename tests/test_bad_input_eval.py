@@ -12,6 +12,7 @@ from fake_openai import FakeOpenAIServer
 
 import chat_client
 import common
+import guards
 import eval_general
 import eval_sentient
 import generation
@@ -343,11 +344,11 @@ def test_an_output_name_the_filesystem_refuses_is_one_line(no_sentient_model, no
 
 
 def test_a_training_runs_folder_is_refused_as_the_general_evaluations_output(no_general_model, tmp_path, capsys):
-    common.mark_run_folder(tmp_path / "run", "train_ppo.py", "m")
+    guards.mark_run_folder(tmp_path / "run", "train_ppo.py", "m")
     status, error = outcome(eval_general.main, ["--tasks", "humaneval", "--output_dir", tmp_path / "run"], capsys)
     assert status == 1 and error == (f"error: --output_dir {tmp_path / 'run'}: a training run's folder; give a folder "
                                      "of its own")
-    assert [path.name for path in (tmp_path / "run").iterdir()] == [common.RUN_MARKER]
+    assert [path.name for path in (tmp_path / "run").iterdir()] == [guards.RUN_MARKER]
 
 
 def test_a_sentient_summary_file_this_script_did_not_write_is_refused_before_any_dialogue(no_sentient_model,
@@ -518,7 +519,7 @@ def test_a_resume_onto_rows_of_a_scenario_or_item_that_changed_since_is_refused(
     as the new input's."""
     profiles = simulator.load_profiles(benchmark_profiles(tmp_path / "bench.jsonl", count=2))
     made_by = {"model": "m"}
-    row = {**result_row(profiles[0].id), "made_by": made_by, "input_digest": common.digest(profiles[0].to_row())}
+    row = {**result_row(profiles[0].id), "made_by": made_by, "input_digest": guards.digest(profiles[0].to_row())}
     path = write_jsonl(tmp_path / "r.jsonl", [row])
     assert eval_sentient.finished_ids(path, made_by, profiles, "bench.jsonl", None) == {profiles[0].id}
     changed = benchmark_profiles(tmp_path / "bench2.jsonl", count=2)
@@ -528,7 +529,7 @@ def test_a_resume_onto_rows_of_a_scenario_or_item_that_changed_since_is_refused(
         eval_sentient.finished_ids(path, made_by, simulator.load_profiles(changed), "bench2.jsonl", None)
     item = {"id": "test/a/1.json", "messages": [{"role": "user", "content": "What is 1+1?"}], "answer": "2"}
     general = write_jsonl(tmp_path / "math500.jsonl", [{"id": item["id"], "verdict": {}, "made_by": made_by,
-                                                        "input_digest": common.digest(item)}])
+                                                        "input_digest": guards.digest(item)}])
     eval_general.finished_items(general, [item], made_by)
     with pytest.raises(common.InputError, match="answered another version of it"):
         eval_general.finished_items(general, [{**item, "answer": "42"}], made_by)
@@ -567,7 +568,7 @@ def test_an_adapter_folder_without_its_weights_is_one_line_not_a_hub_traceback(t
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "adapter_config.json").write_text('{"base_model_name_or_path": "x"}')
     with pytest.raises(common.InputError, match="holds an adapter's config .* but not its weights"):
-        common.loadable_model(str(tmp_path / "run"))
+        guards.loadable_model(str(tmp_path / "run"))
 
 
 def test_a_tilde_in_an_evaluations_output_is_the_home_folder_not_a_folder_named_tilde(tmp_path, monkeypatch, capsys,

@@ -238,12 +238,13 @@ def test_an_output_on_a_full_filesystem_is_refused_before_any_work(tmp_path, mon
     import shutil
 
     import common
+    import guards
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 2**20, 2**20))
     run = steps_run(tmp_path / "run")
     assert "only 1 MB free" in exit_message(report.main, [str(run)])
     with pytest.raises(common.InputError, match="only 1 MB free"):
-        common.check_output_folder(tmp_path / "new", "output_dir")
+        guards.check_output_folder(tmp_path / "new", "output_dir")
 
 
 def test_report_compare_of_a_run_with_itself_is_refused(tmp_path):
@@ -269,7 +270,7 @@ def test_report_names_a_row_whose_emotion_is_not_a_number_and_an_out_path_ending
 
 
 def started_handling_signals(process, timeout=30) -> None:
-    """Wait until the process catches SIGTERM (common.start_script ran): /proc's SigCgt mask, bit 15 - 1."""
+    """Wait until the process catches SIGTERM (guards.start_script ran): /proc's SigCgt mask, bit 15 - 1."""
     import time
 
     deadline = time.time() + timeout

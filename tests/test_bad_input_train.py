@@ -13,6 +13,7 @@ from conftest import profile_row, write_jsonl
 
 import preflight
 import common
+import guards
 import rollout
 import simulator
 import train_grpo
@@ -253,7 +254,7 @@ def test_resume_refuses_a_bad_line_in_the_middle_naming_it_and_leaves_the_file_a
 
 def test_ppo_resume_over_a_bad_transcript_line_fails_before_any_model_loads(tmp_path, model_folder):
     output_dir = tmp_path / "run"
-    common.mark_run_folder(output_dir, "train_ppo.py", str(model_folder))  # an earlier run's
+    guards.mark_run_folder(output_dir, "train_ppo.py", str(model_folder))  # an earlier run's
     (output_dir / "transcripts.jsonl").write_text('{"step": 0}\nnot json\n{"step": 0}\n')
     with pytest.raises(common.InputError, match=r"transcripts.jsonl:2: not valid JSON"):
         train_ppo.main(["--model_name_or_path", str(model_folder), "--output_dir", str(output_dir), "--resume"])
@@ -271,7 +272,7 @@ def test_transcripts_are_appended_after_a_last_line_cut_short_is_dropped(tmp_pat
 
 def test_ppo_resume_of_a_finished_run_without_checkpoints_is_refused_keeping_its_policy(tmp_path, model_folder):
     output_dir = tmp_path / "run"
-    common.mark_run_folder(output_dir, "train_ppo.py", str(model_folder))
+    guards.mark_run_folder(output_dir, "train_ppo.py", str(model_folder))
     (output_dir / "transcripts.jsonl").write_text('{"step": 0}\n')
     (output_dir / "critic.pt").write_bytes(b"weights")
     with pytest.raises(common.InputError, match="holds a finished run without checkpoints"):
@@ -284,7 +285,7 @@ def test_ppo_resume_before_the_first_checkpoint_starts_again_at_step_0_without_t
     """Killed before its first save: the steps it played are played again, so their rows go, with a note
     (not appended to: steps 0, 1 then 0 again)."""
     output_dir = tmp_path / "run"
-    common.mark_run_folder(output_dir, "train_ppo.py", str(tiny_model_dir))
+    guards.mark_run_folder(output_dir, "train_ppo.py", str(tiny_model_dir))
     write_jsonl(output_dir / "transcripts.jsonl", [{"step": 0}, {"step": 0}, {"step": 1}, {"step": 1}])
     write_jsonl(output_dir / "metrics.jsonl", [{"step": 0}, {"step": 1}])
     train_ppo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(output_dir), "--resume",
@@ -327,7 +328,7 @@ def test_a_trainer_refuses_an_output_folder_holding_what_it_did_not_write(tmp_pa
 def test_a_trainer_continues_its_own_run_only_when_asked_and_only_with_its_model(tmp_path, model_folder, script,
                                                                                  resume):
     output_dir = tmp_path / "run"
-    common.mark_run_folder(output_dir, script, "another/model")
+    guards.mark_run_folder(output_dir, script, "another/model")
     (output_dir / "transcripts.jsonl").write_text('{"step": 0}\n')
     argv = ["--model_name_or_path", str(model_folder), "--output_dir", str(output_dir)]
     with pytest.raises(common.InputError, match=f"already holds a run; .* or pass {resume[0]} to continue it"):
@@ -369,13 +370,13 @@ def test_a_resume_with_settings_other_than_the_runs_is_refused_naming_them(tmp_p
     argv = ["--model_name_or_path", str(model_folder), "--output_dir", str(output_dir)]
     if script == "train_ppo.py":
         args, dialogue_args, simulator_args = train_ppo.parse_arguments(argv)
-        settings = common.run_settings(common.KEPT_ON_RESUME + train_ppo.PPO_KEPT_ON_RESUME, args, dialogue_args,
+        settings = guards.run_settings(guards.KEPT_ON_RESUME + train_ppo.PPO_KEPT_ON_RESUME, args, dialogue_args,
                                        simulator_args)
     else:
         dialogue_args, simulator_args, credit_args, training_args, model_args = train_grpo.parse_arguments(argv)
-        settings = common.run_settings(common.KEPT_ON_RESUME + train_grpo.GRPO_KEPT_ON_RESUME, dialogue_args,
+        settings = guards.run_settings(guards.KEPT_ON_RESUME + train_grpo.GRPO_KEPT_ON_RESUME, dialogue_args,
                                        simulator_args, credit_args, model_args, training_args)
-    common.mark_run_folder(output_dir, script, str(model_folder), settings)
+    guards.mark_run_folder(output_dir, script, str(model_folder), settings)
     (output_dir / "transcripts.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(common.InputError, match=re.escape(f"holds a run made with {message}; resume it with its "
                                                           "settings, or choose another --output_dir")):
@@ -387,14 +388,14 @@ def test_a_folder_holding_only_its_own_runs_marker_is_a_fresh_folder(tmp_path):
     """A run refused after marking its folder (a bad input found late) wrote nothing else: its rerun may start,
     and takes the marker over only once it holds the folder (while the first run loads its model, it holds it:
     test_run_identity.py); the check itself deletes nothing."""
-    common.mark_run_folder(tmp_path / "run", "train_ppo.py", "m")
-    common.check_run_folder(tmp_path / "run", "train_ppo.py", "another", False, "--resume")
-    assert [path.name for path in (tmp_path / "run").iterdir()] == [common.RUN_MARKER]
-    common.mark_run_folder(tmp_path / "run", "train_ppo.py", "another")
-    assert json.loads((tmp_path / "run" / common.RUN_MARKER).read_text())["model"] == "another"
-    common.mark_run_folder(tmp_path / "grpo", "train_grpo.py", "m")
+    guards.mark_run_folder(tmp_path / "run", "train_ppo.py", "m")
+    guards.check_run_folder(tmp_path / "run", "train_ppo.py", "another", False, "--resume")
+    assert [path.name for path in (tmp_path / "run").iterdir()] == [guards.RUN_MARKER]
+    guards.mark_run_folder(tmp_path / "run", "train_ppo.py", "another")
+    assert json.loads((tmp_path / "run" / guards.RUN_MARKER).read_text())["model"] == "another"
+    guards.mark_run_folder(tmp_path / "grpo", "train_grpo.py", "m")
     with pytest.raises(common.InputError, match="holds a train_grpo.py run"):
-        common.check_run_folder(tmp_path / "grpo", "train_ppo.py", "m", False, "--resume")
+        guards.check_run_folder(tmp_path / "grpo", "train_ppo.py", "m", False, "--resume")
 
 
 @needs_repo
@@ -530,7 +531,7 @@ def test_a_full_disk_while_torch_saves_a_checkpoint_is_one_line_not_torchs_trace
                            "data/3: file write failed")
 
     with pytest.raises(SystemExit) as stopped:
-        common.run_trainer(main, "--resume")
+        guards.run_trainer(main, "--resume")
     assert str(stopped.value.code).startswith("error: a checkpoint file could not be written: is the disk full?")
     assert "continue with --resume" in str(stopped.value.code)
 
@@ -562,16 +563,16 @@ def test_a_grpo_resume_whose_transcripts_were_deleted_is_refused(tmp_path):
 
 def test_a_resume_flag_on_a_folder_holding_no_run_says_it_starts_a_new_run(tmp_path, capsys):
     """A job script that always resumes starts so; a mistyped folder too, and was silent."""
-    common.check_run_folder(tmp_path / "ppo43x", "train_ppo.py", "m", True, "--resume")
+    guards.check_run_folder(tmp_path / "ppo43x", "train_ppo.py", "m", True, "--resume")
     said = capsys.readouterr().err
     assert said.startswith(f"--resume: {tmp_path / 'ppo43x'} holds no run yet: starting a new run there"), said
 
 
 def test_a_marker_value_that_reads_like_this_runs_is_shown_so_they_are_told_apart(tmp_path):
-    common.mark_run_folder(tmp_path / "run", "train_ppo.py", "m", {"max_turns": "1"})
+    guards.mark_run_folder(tmp_path / "run", "train_ppo.py", "m", {"max_turns": "1"})
     (tmp_path / "run" / "transcripts.jsonl").write_text("")
     with pytest.raises(common.InputError, match=r'--max_turns "1" \(this run: 1\)'):
-        common.check_run_folder(tmp_path / "run", "train_ppo.py", "m", True, "--resume", {"max_turns": 1})
+        guards.check_run_folder(tmp_path / "run", "train_ppo.py", "m", True, "--resume", {"max_turns": 1})
 
 
 def test_a_bare_checkpoint_name_that_does_not_exist_says_so_and_what_to_give(tmp_path):

@@ -61,7 +61,7 @@ def test_the_best_scoring_candidate_is_sent_whichever_place_it_was_sampled_in(pa
 def test_counts_below_one_and_a_zero_temperature_are_refused_before_the_model_loads(flag, said, monkeypatch):
     best_of_n = load_script()
     monkeypatch.setattr(sys, "argv", [str(SCRIPT), *flag])
-    monkeypatch.setattr(best_of_n.common, "loadable_model", lambda name: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(best_of_n.guards, "loadable_model", lambda name: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as refused:
         best_of_n.main()
     assert said in str(refused.value)  # a message (exit 1), not a traceback

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import chat_client
 import common
+import guards
 import rollout
 
 # --------------------------------------------------------------------------------------------
@@ -29,7 +30,7 @@ class Knobs:
     weight: float = 0.0
 
 
-RULES = {"low": common.POSITIVE, "count": common.AT_LEAST_ONE, "share": common.FRACTION, "weight": common.NOT_NEGATIVE}
+RULES = {"low": guards.POSITIVE, "count": guards.AT_LEAST_ONE, "share": guards.FRACTION, "weight": guards.NOT_NEGATIVE}
 
 
 @pytest.mark.parametrize("option, passes, fails", [
@@ -40,30 +41,30 @@ RULES = {"low": common.POSITIVE, "count": common.AT_LEAST_ONE, "share": common.F
 ])
 def test_each_rule_turns_exactly_at_its_bound(option, passes, fails):
     for value in passes:
-        common.check_options(Knobs(**{option: value}), **RULES)
+        guards.check_options(Knobs(**{option: value}), **RULES)
     for value in fails:
         with pytest.raises(common.ArgumentError) as error:
-            common.check_options(Knobs(**{option: value}), **RULES)
+            guards.check_options(Knobs(**{option: value}), **RULES)
         assert str(error.value) == f"--{option} {value!r}: must be {RULES[option][1]}"
 
 
 def test_an_option_without_a_rule_is_not_checked_by_another_options_rule():
     """high shares low's value by default; only low has a rule, so only low's value is read by it."""
-    common.check_options(Knobs(low=0.1, high=-5.0), **RULES)
+    guards.check_options(Knobs(low=0.1, high=-5.0), **RULES)
     with pytest.raises(common.ArgumentError, match=r"^--low -5.0: must be above 0$"):
-        common.check_options(Knobs(low=-5.0, high=0.1), **RULES)
+        guards.check_options(Knobs(low=-5.0, high=0.1), **RULES)
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_a_non_finite_float_is_refused_in_any_field_with_or_without_a_rule(value):
     for option in ("low", "high"):
         with pytest.raises(common.ArgumentError, match=rf"^--{option} {value!r}: must be a finite number$"):
-            common.check_options(Knobs(**{option: value}), **RULES)
+            guards.check_options(Knobs(**{option: value}), **RULES)
 
 
 def test_every_broken_option_is_named_the_non_finite_first_then_in_the_order_of_the_rules():
     with pytest.raises(common.ArgumentError) as error:
-        common.check_options(Knobs(low=0.0, count=0, share=1.5, weight=-1.0, high=float("inf")), **RULES)
+        guards.check_options(Knobs(low=0.0, count=0, share=1.5, weight=-1.0, high=float("inf")), **RULES)
     assert str(error.value) == ("--high inf: must be a finite number; --low 0.0: must be above 0; --count 0: must be "
                                 "at least 1; --share 1.5: must be within 0-1; --weight -1.0: must be 0 or more")
 
@@ -101,7 +102,7 @@ class ClipArguments:
     epochs: int = field(default=1, metadata={"help": "passes over a batch"})
 
     def __post_init__(self):
-        common.check_options(self, clip_low=common.FRACTION, clip_high=common.FRACTION, epochs=common.AT_LEAST_ONE)
+        guards.check_options(self, clip_low=guards.FRACTION, clip_high=guards.FRACTION, epochs=guards.AT_LEAST_ONE)
 
 
 @pytest.fixture
@@ -111,7 +112,7 @@ def parser():
 
 
 def parse(parser, argv):
-    [args] = common.parse_arguments(parser, argv, hint=lambda message: " (HINT)")
+    [args] = guards.parse_arguments(parser, argv, hint=lambda message: " (HINT)")
     return args
 
 
@@ -171,9 +172,9 @@ def test_config_without_its_file_is_refused(parser, argv, capsys):
 
 
 def test_config_file_reads_both_spellings_and_no_flag():
-    assert common.config_file(["--epochs", "2", "--config", "a.yaml"]) == "a.yaml"
-    assert common.config_file(["--config=b.yaml", "--epochs", "2"]) == "b.yaml"
-    assert common.config_file(["--epochs", "2"]) is None
+    assert guards.config_file(["--epochs", "2", "--config", "a.yaml"]) == "a.yaml"
+    assert guards.config_file(["--config=b.yaml", "--epochs", "2"]) == "b.yaml"
+    assert guards.config_file(["--epochs", "2"]) is None
     assert common.split_config_flag(["--config=c=d.yaml", "--x=1"]) == ["--config", "c=d.yaml", "--x=1"]
 
 
@@ -187,11 +188,11 @@ def test_a_config_may_not_set_help_or_config_itself(tmp_path):
     for key in ("config", "help"):
         config.write_text(f"{key}: x\n")
         with pytest.raises(common.InputError, match=rf"unknown option\(s\): {key}"):
-            common.read_config(config, parser)
+            guards.read_config(config, parser)
     config.write_text("")
-    assert common.read_config(config, parser) == {}
+    assert guards.read_config(config, parser) == {}
     config.write_text("epochs: 4\n")
-    assert common.read_config(config, parser) == {"epochs": 4}
+    assert guards.read_config(config, parser) == {"epochs": 4}
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,10 +316,10 @@ def test_a_model_folder_holds_a_model_or_an_adapter(tmp_path, files, ok):
     for name in files:
         (tmp_path / name).write_text("{}")
     if ok:
-        common.check_model_source(str(tmp_path), "model")
+        guards.check_model_source(str(tmp_path), "model")
     else:
         with pytest.raises(common.InputError, match="a folder without a model"):
-            common.check_model_source(str(tmp_path), "model")
+            guards.check_model_source(str(tmp_path), "model")
 
 
 @pytest.mark.parametrize("served, ok", [([], True), (["m"], True), (["other"], False)])

@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import common
+import guards
 import eval_general
 import eval_sentient
 import plot_training
@@ -935,13 +936,13 @@ def test_a_local_models_record_changes_with_its_weights_and_names_an_adapters_ba
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"\0" * 3_000_000)
-    first = common.model_record(str(folder))
+    first = guards.model_record(str(folder))
     (folder / "model.safetensors").write_bytes(b"\0" * 2_999_999 + b"\1")  # the last byte retrained
-    assert common.model_record(str(folder))["model_fingerprint"] != first["model_fingerprint"]
+    assert guards.model_record(str(folder))["model_fingerprint"] != first["model_fingerprint"]
     assert first["model"] == str(folder.resolve())
     (folder / "adapter_config.json").write_text('{"base_model_name_or_path": "Qwen/Qwen2.5-7B-Instruct"}')
-    assert common.model_record(str(folder))["base_model"] == "Qwen/Qwen2.5-7B-Instruct"
-    assert common.model_record("m", "http://127.0.0.1:9/v1") == {"model": "m", "served": True}
+    assert guards.model_record(str(folder))["base_model"] == "Qwen/Qwen2.5-7B-Instruct"
+    assert guards.model_record("m", "http://127.0.0.1:9/v1") == {"model": "m", "served": True}
 
 
 @pytest.mark.parametrize("content, message", [
@@ -979,7 +980,7 @@ def test_ctrl_c_in_the_benchmark_keeps_the_finished_rows_and_says_how_to_go_on(t
         common.append_json_lines(output, [{"id": profiles[0].id, "emo_point": 50, "history": [], "made_by": made_by}])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(eval_sentient.common, "check_local_model", lambda args: None)
+    monkeypatch.setattr(eval_sentient.guards, "check_local_model", lambda args: None)
     monkeypatch.setattr(eval_sentient, "play_local", one_then_ctrl_c)
     with pytest.raises(SystemExit) as stopped:
         eval_sentient.evaluate(args, simulator.SimulatorArguments())

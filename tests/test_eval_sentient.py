@@ -8,7 +8,7 @@ import pytest
 from conftest import REPO, profile_row, write_jsonl
 from fake_openai import FakeOpenAIServer
 
-import common
+import guards
 import eval_sentient
 import rollout
 import simulator
@@ -257,7 +257,7 @@ def test_a_lora_folder_from_training_is_tested_on_its_base_model(tiny_model_dir,
     torch.manual_seed(0)
     trained = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, init_lora_weights=False))
     trained.save_pretrained(tmp_path / "run")
-    merged = common.loadable_model(str(tmp_path / "run"))
+    merged = guards.loadable_model(str(tmp_path / "run"))
     model, tokenizer = AutoModelForCausalLM.from_pretrained(merged), AutoTokenizer.from_pretrained(merged)
     ids = torch.tensor([tokenizer("I hear you.")["input_ids"]])
     with torch.no_grad():

@@ -13,6 +13,7 @@ import pytest
 from conftest import REPO, SlowUser
 
 import common
+import guards
 import eval_general
 import eval_sentient
 import simulator
@@ -141,15 +142,15 @@ def test_an_adapter_is_merged_once_and_again_after_retraining(ppo_folder, merge_
     from transformers import AutoModelForCausalLM
 
     folder = shutil.copytree(ppo_folder, tmp_path / "run")
-    first = common.loadable_model(str(folder))
+    first = guards.loadable_model(str(folder))
     with monkeypatch.context() as patch:
         patch.setattr(AutoModelForCausalLM, "from_pretrained", no_transformers_model)
-        assert common.loadable_model(str(folder) + "/") == first  # from the cache
+        assert guards.loadable_model(str(folder) + "/") == first  # from the cache
     weights = folder / "adapter_model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # saved again
-    assert common.loadable_model(str(folder)) != first
+    assert guards.loadable_model(str(folder)) != first
     assert sorted(f.name for f in merge_cache.iterdir()) == sorted(  # complete folders only, no .partial left
-        [os.path.basename(first), os.path.basename(common.loadable_model(str(folder)))])
+        [os.path.basename(first), os.path.basename(guards.loadable_model(str(folder)))])
 
 
 def test_a_folder_without_a_tokenizer_of_its_own_or_its_base_s_is_refused_naming_what_is_missing(
@@ -160,16 +161,16 @@ def test_a_folder_without_a_tokenizer_of_its_own_or_its_base_s_is_refused_naming
         shutil.copy(tiny_model_dir / name, model_only)
     with pytest.raises(common.InputError, match=r"ppo-full holds a model but no tokenizer "
                        r"\(tokenizer_config.json\).*no adapter_config.json"):
-        common.loadable_model(str(model_only))
+        guards.loadable_model(str(model_only))
     adapter = shutil.copytree(ppo_folder, tmp_path / "ppo-adapter")
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps(config | {"base_model_name_or_path": str(model_only)}))
     with pytest.raises(common.InputError, match=r"ppo-adapter holds no tokenizer \(tokenizer_config.json\), "
                        r"nor does its base model '.*ppo-full'"):
-        common.loadable_model(str(adapter))
+        guards.loadable_model(str(adapter))
     (tmp_path / "empty").mkdir()
     with pytest.raises(common.InputError, match=r"neither a model \(config.json\) nor a PEFT adapter"):
-        common.loadable_model(str(tmp_path / "empty"))
+        guards.loadable_model(str(tmp_path / "empty"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -263,7 +263,7 @@ def test_the_sleep_mode_warning_needs_vllm_and_sleep_mode_both(monkeypatch, use_
     import warnings
 
     monkeypatch.setattr(preflight, "missing_trackers", lambda report_to: [])
-    monkeypatch.setattr(preflight.common, "check_output_folder", lambda *args: None)
+    monkeypatch.setattr(preflight.guards, "check_output_folder", lambda *args: None)
     args = SimpleNamespace(report_to=[], output_dir="unused", use_vllm=use_vllm, vllm_enable_sleep_mode=sleep)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

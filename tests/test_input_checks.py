@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 import common
+import guards
 import simulator
 import talk
 
@@ -74,20 +75,20 @@ class Options:
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 def test_every_float_option_must_be_finite_even_without_a_rule(value):
     with pytest.raises(common.ArgumentError, match=r"--rate .*: must be a finite number"):
-        common.check_options(Options(rate=value))
+        guards.check_options(Options(rate=value))
 
 
 def test_a_non_finite_value_is_named_once_not_also_by_its_rule():
     with pytest.raises(common.ArgumentError) as error:
-        common.check_options(Options(rate=float("nan")), rate=common.POSITIVE)
+        guards.check_options(Options(rate=float("nan")), rate=guards.POSITIVE)
     assert str(error.value) == "--rate nan: must be a finite number"
 
 
 def test_rules_name_every_broken_option_and_leave_unset_ones_alone():
-    common.check_options(Options(), limit=common.AT_LEAST_ONE)
+    guards.check_options(Options(), limit=guards.AT_LEAST_ONE)
     with pytest.raises(common.ArgumentError) as error:
-        common.check_options(Options(rate=0.0, count=0, limit=0), rate=common.POSITIVE,
-                             count=common.AT_LEAST_ONE, limit=common.AT_LEAST_ONE)
+        guards.check_options(Options(rate=0.0, count=0, limit=0), rate=guards.POSITIVE,
+                             count=guards.AT_LEAST_ONE, limit=guards.AT_LEAST_ONE)
     assert str(error.value) == ("--rate 0.0: must be above 0; --count 0: must be at least 1; "
                                 "--limit 0: must be at least 1")
 
@@ -104,37 +105,37 @@ def test_a_config_with_a_misspelt_key_names_it_and_the_likely_one(tmp_path, pars
     path = tmp_path / "run.yaml"
     path.write_text("learning_rate: 1.0e-6\nmax_step: 10\n")
     with pytest.raises(common.InputError, match=r"run.yaml: unknown option\(s\): max_step \(did you mean max_steps\?\)"):
-        common.read_config(path, parser)
+        guards.read_config(path, parser)
     path.write_text("learning_rate: 1.0e-6\nmax_steps: 10\n")
-    assert common.read_config(path, parser) == {"learning_rate": 1e-6, "max_steps": 10}
+    assert guards.read_config(path, parser) == {"learning_rate": 1e-6, "max_steps": 10}
 
 
 def test_a_config_may_hold_the_extra_keys_its_parser_reads_itself(tmp_path, parser):
     path = tmp_path / "run.yaml"
     path.write_text("env:\n  WANDB_PROJECT: rlver\nmax_steps: 10\n")
     with pytest.raises(common.InputError, match=r"unknown option\(s\): env"):
-        common.read_config(path, parser)
-    assert common.read_config(path, parser, extra_keys=("env",))["env"] == {"WANDB_PROJECT": "rlver"}
+        guards.read_config(path, parser)
+    assert guards.read_config(path, parser, extra_keys=("env",))["env"] == {"WANDB_PROJECT": "rlver"}
 
 
 def test_a_config_that_is_not_yaml_or_not_a_mapping_is_named_with_its_line(tmp_path, parser):
     path = tmp_path / "run.yaml"
     path.write_text("learning_rate: 1.0e-6\nmax_steps: [10\n")
     with pytest.raises(common.InputError, match=r"run.yaml:3: not valid YAML"):
-        common.read_config(path, parser)
+        guards.read_config(path, parser)
     path.write_text("- learning_rate\n")
     with pytest.raises(common.InputError, match="a config is a mapping of option: value, got list"):
-        common.read_config(path, parser)
+        guards.read_config(path, parser)
     path.write_bytes(b"\x89PNG\r\n\x1a\n")
     with pytest.raises(common.InputError, match="not UTF-8 text"):
-        common.read_config(path, parser)
+        guards.read_config(path, parser)
 
 
 def test_an_output_folder_under_a_file_is_refused_and_nothing_is_created(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(common.InputError, match=r"--output_dir .*/file/run: .*/file is a file, not a folder"):
-        common.check_output_folder(tmp_path / "file" / "run", "output_dir")
-    common.check_output_folder(tmp_path / "new" / "run", "output_dir")
+        guards.check_output_folder(tmp_path / "file" / "run", "output_dir")
+    guards.check_output_folder(tmp_path / "new" / "run", "output_dir")
     assert not (tmp_path / "new").exists()
 
 
@@ -142,21 +143,21 @@ def test_a_model_that_is_no_folder_and_no_reachable_hub_id_fails_at_once(tmp_pat
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     with pytest.raises(common.InputError, match=r"^--model \./nope: no such folder \(and not a hub id"):
-        common.resolve_model("./nope", "model")
+        guards.checked_model("./nope", "model")
     with pytest.raises(common.InputError, match=r"runs/nope: no such folder, and not in the hub cache .*"
                        r"HF_HUB_OFFLINE is set"):
-        common.resolve_model("runs/nope")
+        guards.checked_model("runs/nope")
     with pytest.raises(common.InputError, match="a folder without a model"):
-        common.resolve_model(str(tmp_path))
+        guards.checked_model(str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
-    assert common.resolve_model(str(tmp_path)) == str(tmp_path)
+    assert guards.checked_model(str(tmp_path)) == str(tmp_path)
 
 
 def test_a_hub_id_the_hub_cannot_be_asked_for_says_so(monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")  # nothing listens on port 9
     with pytest.raises(common.InputError, match=r"org/model: .*the hub \(127.0.0.1\) cannot be reached"):
-        common.resolve_model("org/model")
+        guards.checked_model("org/model")
 
 
 def test_the_rule_backend_refuses_chinese_dialogues_naming_why(make_profile):
@@ -189,8 +190,8 @@ def option_classes():
 
 def rules_of(options_class, required, monkeypatch) -> dict:
     """The rules the class's __post_init__ hands to check_options, caught on their way."""
-    rules, check = {}, common.check_options
-    monkeypatch.setattr(common, "check_options", lambda options, **given: rules.update(given) or check(options, **given))
+    rules, check = {}, guards.check_options
+    monkeypatch.setattr(guards, "check_options", lambda options, **given: rules.update(given) or check(options, **given))
     options_class(**required)
     return rules
 
@@ -247,7 +248,7 @@ def test_a_model_cache_that_is_a_file_is_refused_before_the_packaged_model_conve
     (tmp_path / "r.txt").write_text("")
     monkeypatch.setenv("RLVER_CACHE", str(tmp_path / "r.txt"))
     with pytest.raises(common.InputError, match=r"^\$RLVER_CACHE .*r\.txt: .*r\.txt is a file, not a folder$"):
-        common.resolve_model(common.PACKAGED_MODEL)
+        guards.checked_model(common.PACKAGED_MODEL)
 
 
 def test_a_device_given_as_an_input_file_is_named_as_such_not_as_missing():
@@ -312,10 +313,10 @@ def test_the_resume_command_names_the_launcher_and_replaces_the_option_it_contin
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", ["/repo/train_grpo.py", "--output_dir", "my runs/a", "--resume_from_checkpoint",
                                       "old", "--max_steps", "9"])
-    assert common.resume_command("--resume_from_checkpoint", "runs/a/checkpoint-3") == (
+    assert guards.resume_command("--resume_from_checkpoint", "runs/a/checkpoint-3") == (
         launcher + "train_grpo.py --output_dir 'my runs/a' --max_steps 9 --resume_from_checkpoint runs/a/checkpoint-3")
     monkeypatch.setattr(sys, "argv", ["train_ppo.py", "--resume", "--think"])
-    assert common.resume_command("--resume") == launcher + "train_ppo.py --think --resume"
+    assert guards.resume_command("--resume") == launcher + "train_ppo.py --think --resume"
 
 
 @pytest.mark.parametrize("kind", ["folder", "file"])
@@ -327,9 +328,9 @@ def test_an_output_held_by_another_run_is_refused_until_that_run_ends(kind, tmp_
     with held_by_another_process(path):
         with pytest.raises(common.InputError, match=rf"^--output {path}: another run is writing there now; let it "
                                                     "finish, or give another path$"):
-            common.hold(path, "--output")
-    common.hold(path, "--output")  # that run has ended
-    common.hold(path, "--output", create=kind)  # held once per process: this run's first rows go on
+            guards.hold(path, "--output")
+    guards.hold(path, "--output")  # that run has ended
+    guards.hold(path, "--output", create=kind)  # held once per process: this run's first rows go on
     assert path.is_dir() if kind == "folder" else path.read_text() == '{"id": "a"}\n'
 
 
@@ -340,7 +341,7 @@ def test_an_output_that_appeared_after_the_run_started_is_refused_at_its_first_r
     path.mkdir() if kind == "folder" else path.write_text('{"id": "a"}\n')  # made by another run since
     with pytest.raises(common.InputError, match=rf"^--output {path}: another run began writing there after this "
                                                 "one started; run the same command again to go on from its rows$"):
-        common.hold(path, "--output", create=kind)
+        guards.hold(path, "--output", create=kind)
     assert path.is_dir() if kind == "folder" else path.read_text() == '{"id": "a"}\n'
 
 
@@ -360,21 +361,21 @@ def test_an_output_naming_an_input_through_a_missing_folder_is_refused_as_the_in
     given = tmp_path / "in.jsonl"
     given.write_text("{}\n")
     with pytest.raises(common.InputError, match="that is an input of this run"):
-        common.check_output_file(tmp_path / "x" / ".." / "in.jsonl", "output", None, [given])
+        guards.check_output_file(tmp_path / "x" / ".." / "in.jsonl", "output", None, [given])
 
 
 def test_an_output_that_is_a_link_loop_is_named_as_one(tmp_path):
     (tmp_path / "a").symlink_to(tmp_path / "b")
     (tmp_path / "b").symlink_to(tmp_path / "a")
     with pytest.raises(common.InputError, match="a symbolic link that leads back to itself"):
-        common.check_output_file(tmp_path / "a", "output")
+        guards.check_output_file(tmp_path / "a", "output")
     with pytest.raises(common.InputError, match=rf"^--output_dir {tmp_path / 'a'}: a symbolic link that leads back"):
-        common.check_output_folder(tmp_path / "a", "output_dir")
+        guards.check_output_folder(tmp_path / "a", "output_dir")
 
 
 def test_a_config_given_twice_is_refused_naming_it(tmp_path):
     with pytest.raises(common.ArgumentError, match="--config is given twice; give one YAML file"):
-        common.config_file(["--config", "a.yaml", "--config=b.yaml"])
+        guards.config_file(["--config", "a.yaml", "--config=b.yaml"])
 
 
 def test_a_printed_command_names_the_script_as_it_runs_from_the_current_folder(tmp_path, monkeypatch):
@@ -394,7 +395,7 @@ def test_only_a_failed_collective_of_several_processes_counts_as_a_lost_process(
         monkeypatch.setenv("WORLD_SIZE", world_size)
         with pytest.raises(RuntimeError) as raised:
             failing()
-        assert common.lost_process(raised.value) is False
+        assert guards.lost_process(raised.value) is False
 
 
 @pytest.mark.parametrize("world, local, refused", [(16, 8, True), (8, 8, False), (None, None, False)])

@@ -203,7 +203,7 @@ def test_the_slurm_script_refuses_a_simulator_on_localhost_from_the_recipe_or_a_
 # The output folder: shared by every node, checked at start-up
 # --------------------------------------------------------------------------------------------
 
-SHARED_CHECK = '''"""common.check_shared_folder("run") on 2 ranks, each in its own working folder (argv[1 + rank]):
+SHARED_CHECK = '''"""guards.check_shared_folder("run") on 2 ranks, each in its own working folder (argv[1 + rank]):
 the same folder for both is one shared filesystem; two folders stand for two nodes' own disks, where the same
 path names two different folders. Each rank writes what the check said to argv[3]/rank{rank}.txt."""
 import os
@@ -214,12 +214,13 @@ import torch
 from accelerate import Accelerator
 
 import common
+import guards
 
 accelerator = Accelerator(cpu=True)
 rank = accelerator.process_index
 os.chdir(sys.argv[1 + rank])
 try:
-    common.check_shared_folder("run", accelerator)
+    guards.check_shared_folder("run", accelerator)
     outcome = "shared"
 except common.InputError as error:
     outcome = f"error: {error}"

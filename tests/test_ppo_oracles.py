@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import common
+import guards
 import train_ppo
 from test_rollout_properties import byte_tokenizer  # noqa: F401 (a fixture)
 
@@ -595,7 +596,7 @@ def whole_checkpoint(folder):
 
 def newest(output_dir):
     said = []
-    return common.newest_whole_checkpoint(output_dir, train_ppo.CHECKPOINT_MEMBERS, said.append), said
+    return guards.newest_whole_checkpoint(output_dir, train_ppo.CHECKPOINT_MEMBERS, said.append), said
 
 
 def test_the_newest_checkpoint_is_the_highest_step_not_the_last_name(tmp_path):
@@ -711,6 +712,6 @@ def test_a_save_replaces_a_broken_checkpoint_and_a_killed_saves_leftovers(tmp_pa
     (tmp_path / "checkpoint-2.partial" / "policy").mkdir(parents=True)
     (tmp_path / "checkpoint-2.partial" / "stale.bin").write_bytes(b"x")
     train_ppo.save_checkpoint(tmp_path / "checkpoint-2", 2, networks, optimizer, byte_tokenizer, accelerator)
-    assert common.checkpoint_problem(tmp_path / "checkpoint-2", train_ppo.CHECKPOINT_MEMBERS) is None
+    assert guards.checkpoint_problem(tmp_path / "checkpoint-2", train_ppo.CHECKPOINT_MEMBERS) is None
     assert not (tmp_path / "checkpoint-2.partial").exists() and not (tmp_path / "checkpoint-2" / "stale.bin").exists()
     assert torch.load(tmp_path / "checkpoint-2" / "state.pt", weights_only=False)["step"] == 2

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import common
+import guards
 import eval_sentient
 
 REPO = Path(__file__).resolve().parent.parent
@@ -19,64 +20,64 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(autouse=True)
 def forget_outputs(monkeypatch):
     """Each test starts as a new process would: no output remembered, none held."""
-    monkeypatch.setattr(common, "_outputs", {}, raising=False)
-    monkeypatch.setattr(common, "_held", {})
+    monkeypatch.setattr(guards, "_outputs", {}, raising=False)
+    monkeypatch.setattr(guards, "_held", {})
 
 
 def test_a_file_removed_replaced_or_written_by_another_process_stops_the_next_append(tmp_path):
     path = tmp_path / "rows.jsonl"
-    common.note_output(path)
-    common.append_rows_kept(path, [{"a": 1}])
-    common.append_rows_kept(path, [{"a": 2}])  # its own appends: fine
+    guards.note_output(path)
+    guards.append_rows_kept(path, [{"a": 1}])
+    guards.append_rows_kept(path, [{"a": 2}])  # its own appends: fine
     for change, said in [(lambda: path.open("a").write('{"other": 1}\n'), "changed by another writer"),
                          (lambda: (tmp_path / "theirs").write_text('{"b": 1}\n') and
                           (tmp_path / "theirs").replace(path), "was replaced"),
                          (lambda: path.unlink(), "was removed")]:
-        common.note_output(path)
+        guards.note_output(path)
         before = path.read_bytes() if path.exists() else None
         change()
         after = path.read_bytes() if path.exists() else None
         with pytest.raises(common.InputError, match=said):
-            common.append_rows_kept(path, [{"a": 3}])
+            guards.append_rows_kept(path, [{"a": 3}])
         assert (path.read_bytes() if path.exists() else None) == after != before  # nothing written
 
 
 def test_a_new_output_made_by_another_process_meanwhile_is_not_written_into(tmp_path):
     path = tmp_path / "new.jsonl"
-    common.note_output(path)  # absent when the run started
+    guards.note_output(path)  # absent when the run started
     path.write_text('{"theirs": 1}\n')
     with pytest.raises(common.InputError, match="was made by another process"):
-        common.append_rows_kept(path, [{"a": 1}])
+        guards.append_rows_kept(path, [{"a": 1}])
     assert path.read_text() == '{"theirs": 1}\n'
 
 
 def claimed(folder, model="m"):
     from accelerate import PartialState
 
-    common.claim_run_folder(folder, "train_ppo.py", model, False, "--resume", {}, PartialState(cpu=True))
-    return json.loads((folder / common.RUN_MARKER).read_text())["launch"]
+    guards.claim_run_folder(folder, "train_ppo.py", model, False, "--resume", {}, PartialState(cpu=True))
+    return json.loads((folder / guards.RUN_MARKER).read_text())["launch"]
 
 
 def test_a_run_folder_replaced_or_its_marker_taken_over_stops_the_run_before_it_writes(tmp_path):
     run = tmp_path / "run"
     claimed(run)
     (run / "transcripts.jsonl").write_text("")
-    common.check_run_folder_kept(run)  # its own files inside: fine
+    guards.check_run_folder_kept(run)  # its own files inside: fine
     finished = tmp_path / "finished"
     finished.mkdir()
-    (finished / common.RUN_MARKER).write_text(json.dumps({"script": "train_ppo.py", "model": "m"}))
+    (finished / guards.RUN_MARKER).write_text(json.dumps({"script": "train_ppo.py", "model": "m"}))
     run.rename(tmp_path / "moved-away")
     finished.rename(run)  # a finished run's folder in its place
     with pytest.raises(common.InputError, match="was replaced"):
-        common.check_run_folder_kept(run)
+        guards.check_run_folder_kept(run)
     # The same folder, its marker written by another launch (another run copied over it, or a second start).
-    common._outputs.clear()
-    common._held.clear()
+    guards._outputs.clear()
+    guards._held.clear()
     other = tmp_path / "other"
     claimed(other)
-    (other / common.RUN_MARKER).write_text(json.dumps({"script": "train_ppo.py", "model": "m", "launch": "x"}))
+    (other / guards.RUN_MARKER).write_text(json.dumps({"script": "train_ppo.py", "model": "m", "launch": "x"}))
     with pytest.raises(common.InputError, match="rlver-run.json was"):
-        common.check_run_folder_kept(other)
+        guards.check_run_folder_kept(other)
 
 
 def test_an_evaluations_result_file_replaced_mid_run_gets_no_rows_and_no_summary(tmp_path):
@@ -109,9 +110,9 @@ else:
     import common, train_ppo
     args, dialogue_args, simulator_args = train_ppo.parse_arguments(argv)
     train_ppo.check_inputs(args, dialogue_args, simulator_args)
-    settings = common.run_settings(common.KEPT_ON_RESUME + train_ppo.PPO_KEPT_ON_RESUME, args, dialogue_args,
+    settings = guards.run_settings(guards.KEPT_ON_RESUME + train_ppo.PPO_KEPT_ON_RESUME, args, dialogue_args,
                                    simulator_args)
-    common.claim_run_folder(args.output_dir, script, args.model_name_or_path, False, "--resume", settings,
+    guards.claim_run_folder(args.output_dir, script, args.model_name_or_path, False, "--resume", settings,
                             Accelerator())
 print("claimed", flush=True)
 time.sleep(90)  # a run loading its model, or between two steps
@@ -176,7 +177,7 @@ def test_a_grpo_run_whose_folder_is_replaced_mid_run_stops_without_writing_into_
     the folder moved in keeps exactly what it held."""
     run, finished = tmp_path / "run", tmp_path / "finished"
     finished.mkdir()
-    (finished / common.RUN_MARKER).write_text(json.dumps({"script": "train_grpo.py", "model": "m"}) + "\n")
+    (finished / guards.RUN_MARKER).write_text(json.dumps({"script": "train_grpo.py", "model": "m"}) + "\n")
     (finished / "transcripts.jsonl").write_text('{"step": 0}\n')
     command = [sys.executable, "train_grpo.py", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(run),
                "--max_steps", "30", "--max_turns", "2", "--max_reply_tokens", "8", "--save_steps", "100"]

@@ -20,6 +20,7 @@ from fake_openai import FakeOpenAIServer
 from test_official_prompts import REPO as OFFICIAL_REPO
 
 import common
+import guards
 import eval_general
 import eval_sentient
 import generation
@@ -46,12 +47,12 @@ def flags(**values) -> list[str]:
 
 
 def eval_arguments(argv):
-    return common.parse_arguments(eval_sentient.TrlParser((eval_sentient.EvalArguments,
+    return guards.parse_arguments(eval_sentient.TrlParser((eval_sentient.EvalArguments,
                                                             simulator.SimulatorArguments)), argv)
 
 
 def general_arguments(argv):
-    return common.parse_arguments(eval_general.TrlParser(eval_general.GeneralEvalArguments), argv)[0]
+    return guards.parse_arguments(eval_general.TrlParser(eval_general.GeneralEvalArguments), argv)[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -521,11 +522,11 @@ def test_rows_made_with_a_setting_this_run_lacks_or_adds_are_refused(tmp_path):
     """Both ways, and a setting one side lacks counts as differing: a served model's rows (served: true) are not a
     local model's of the same name."""
     made_by = {"model": "m", "seed": 1}
-    common.check_made_by(tmp_path / "rows.jsonl", [{"made_by": dict(made_by)}], made_by)
+    guards.check_made_by(tmp_path / "rows.jsonl", [{"made_by": dict(made_by)}], made_by)
     for theirs, ours in ((made_by | {"served": True}, made_by), (made_by, made_by | {"served": True}),
                          (made_by, made_by | {"seed": 2})):
         with pytest.raises(common.InputError, match="served|seed"):
-            common.check_made_by(tmp_path / "rows.jsonl", [{"made_by": theirs}], ours)
+            guards.check_made_by(tmp_path / "rows.jsonl", [{"made_by": theirs}], ours)
 
 
 @pytest.mark.parametrize("schedule", ["async", "lockstep"])
@@ -573,12 +574,12 @@ def test_a_simulator_temperature_of_zero_is_sent_as_zero(temperature):
 def test_a_resumed_launch_keeps_the_runs_recorded_interruptions_and_takes_the_marker_over(tmp_path):
     """mark_run_folder on a resume: the interruptions the run recorded stay, the launch id is the new launch's."""
     folder = tmp_path / "run"
-    common.mark_run_folder(folder, "train_ppo.py", "m", {"seed": 1})  # the first launch (this process holds it)
-    common.note_output(folder / common.RUN_MARKER)
-    common.note_interruption(folder, 2, folder / "checkpoint-3", "resume")
-    launch = json.loads((folder / common.RUN_MARKER).read_text())["launch"]
-    common.mark_run_folder(folder, "train_ppo.py", "m", {"seed": 1})
-    made = json.loads((folder / common.RUN_MARKER).read_text())
+    guards.mark_run_folder(folder, "train_ppo.py", "m", {"seed": 1})  # the first launch (this process holds it)
+    guards.note_output(folder / guards.RUN_MARKER)
+    guards.note_interruption(folder, 2, folder / "checkpoint-3", "resume")
+    launch = json.loads((folder / guards.RUN_MARKER).read_text())["launch"]
+    guards.mark_run_folder(folder, "train_ppo.py", "m", {"seed": 1})
+    made = json.loads((folder / guards.RUN_MARKER).read_text())
     assert made["interrupted"] == [{"after_step": 2, "checkpoint": str(folder / "checkpoint-3")}]
     assert made["launch"] != launch and (made["script"], made["model"], made["settings"]) == ("train_ppo.py", "m",
                                                                                                  {"seed": 1})

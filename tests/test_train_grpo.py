@@ -13,6 +13,7 @@ import torch
 
 import preflight
 import common
+import guards
 import rollout
 import train_grpo
 
@@ -221,7 +222,7 @@ def test_a_resume_from_a_folder_without_trainer_state_is_refused_before_the_mode
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail_if_called)
     (tmp_path / "run" / "checkpoint-2").mkdir(parents=True)
-    common.mark_run_folder(tmp_path / "run", "train_grpo.py", str(tiny_model_dir))
+    guards.mark_run_folder(tmp_path / "run", "train_grpo.py", str(tiny_model_dir))
     with pytest.raises(common.InputError, match="checkpoint-2: no trainer_state.json; give a checkpoint folder"):
         train_grpo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "run"),
                          "--resume_from_checkpoint", str(tmp_path / "run" / "checkpoint-2")])
@@ -238,7 +239,7 @@ def test_a_resume_with_no_steps_left_is_refused_before_any_row_is_dropped(tiny_m
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail_if_called)
     checkpoint = tmp_path / "run" / "checkpoint-2"
     checkpoint.mkdir(parents=True)
-    common.mark_run_folder(tmp_path / "run", "train_grpo.py", str(tiny_model_dir))
+    guards.mark_run_folder(tmp_path / "run", "train_grpo.py", str(tiny_model_dir))
     (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
     common.append_json_lines(tmp_path / "run" / "transcripts.jsonl", [{"step": step} for step in (0, 1)])
     with pytest.raises(common.InputError, match=f"{checkpoint} holds 2 trained steps, as many as --max_steps 2 asks"):
@@ -254,7 +255,7 @@ def test_a_resume_drops_the_rows_of_the_steps_it_will_play_again_before_the_mode
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail_if_called)
     checkpoint = tmp_path / "run" / "checkpoint-2"
     checkpoint.mkdir(parents=True)
-    common.mark_run_folder(tmp_path / "run", "train_grpo.py", str(tiny_model_dir))
+    guards.mark_run_folder(tmp_path / "run", "train_grpo.py", str(tiny_model_dir))
     (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
     for name in ("transcripts.jsonl", "transcripts.rank1.jsonl"):
         common.append_json_lines(tmp_path / "run" / name, [{"step": step} for step in (0, 1, 2, 3)])
@@ -297,7 +298,7 @@ def test_resume_from_checkpoint_true_takes_the_newest_whole_checkpoint_naming_a_
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail_if_called)
     run = tmp_path / "run"
-    common.mark_run_folder(run, "train_grpo.py", str(tiny_model_dir))
+    guards.mark_run_folder(run, "train_grpo.py", str(tiny_model_dir))
     save_file({"w": torch.zeros(2)}, trainer_checkpoint(run / "checkpoint-2", 2) / "adapter_model.safetensors")
     trainer_checkpoint(run / "checkpoint-3", 3)
     common.append_json_lines(run / "transcripts.jsonl", [{"step": step} for step in range(4)])
@@ -341,7 +342,7 @@ def test_ctrl_c_lets_the_step_finish_saves_its_checkpoint_and_says_how_to_contin
     assert "Ctrl-C: stopping once this step is done, with a checkpoint" in said
     assert f"interrupted after step 0 (1 step trained): {checkpoint} holds its state; continue with: python train_grpo.py" in said
     assert said.rstrip().endswith(f"--resume_from_checkpoint {checkpoint}")
-    assert common.checkpoint_problem(checkpoint, ("trainer_state.json",)) is None
+    assert guards.checkpoint_problem(checkpoint, ("trainer_state.json",)) is None
     assert json.loads((run / "rlver-run.json").read_text())["interrupted"] == [
         {"after_step": 0, "checkpoint": str(checkpoint)}]
     assert not (run / "adapter_model.safetensors").exists()  # the finished run's weights: not written
@@ -378,7 +379,7 @@ def test_ctrl_c_reaching_one_rank_stops_both_after_the_same_step_with_one_whole_
     assert (f"interrupted after step {last} ({last + 1} step{'s' if last else ''} trained): {checkpoint} holds its "
             "state; continue with: torchrun [its options, as before] train_grpo.py --output_dir ") in said
     assert [path.name for path in run.glob("checkpoint-*")] == [checkpoint.name]
-    assert common.checkpoint_problem(checkpoint, ("trainer_state.json",)) is None
+    assert guards.checkpoint_problem(checkpoint, ("trainer_state.json",)) is None
     assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == last + 1
     assert json.loads((run / "rlver-run.json").read_text())["interrupted"] == [
         {"after_step": last, "checkpoint": str(checkpoint)}]

@@ -13,6 +13,7 @@ import torch
 
 import preflight
 import common
+import guards
 import rollout
 import train_ppo
 from train_ppo import masked_gae, place_rewards, ppo_losses
@@ -597,7 +598,7 @@ def test_ctrl_c_finishes_the_step_saves_it_marks_the_run_and_says_how_to_continu
     (run / "checkpoint-2" / "state.pt").write_bytes(b"")
     with pytest.raises(SystemExit):
         train_ppo.main(argv + ["--resume"])
-    assert common.checkpoint_problem(run / "checkpoint-2", train_ppo.CHECKPOINT_MEMBERS) is None
+    assert guards.checkpoint_problem(run / "checkpoint-2", train_ppo.CHECKPOINT_MEMBERS) is None
     assert json.loads((run / "rlver-run.json").read_text())["interrupted"][1] == {
         "after_step": 1, "checkpoint": str(run / "checkpoint-2")}
     monkeypatch.setattr(train_ppo, "ppo_epochs", train)
@@ -614,10 +615,10 @@ def test_processes_launched_together_that_each_see_themselves_alone_are_refused(
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(common.InputError, match=r"launched as 2 processes \(WORLD_SIZE\), but each sees itself alone: "
                                                 r"without GPUs, set ACCELERATE_USE_CPU=1"):
-        common.check_process_count(SimpleNamespace(num_processes=1))
-    common.check_process_count(SimpleNamespace(num_processes=2))
+        guards.check_process_count(SimpleNamespace(num_processes=1))
+    guards.check_process_count(SimpleNamespace(num_processes=2))
     monkeypatch.delenv("WORLD_SIZE")
-    common.check_process_count(SimpleNamespace(num_processes=3))  # an MPI launch: no WORLD_SIZE to compare
+    guards.check_process_count(SimpleNamespace(num_processes=3))  # an MPI launch: no WORLD_SIZE to compare
 
 
 @pytest.mark.parametrize("run_id, timeout, deadline", [
@@ -634,7 +635,7 @@ def test_under_torchs_elastic_launcher_the_ctrl_c_notice_gives_its_deadline(run_
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-    common.StopRequest().handle(signal.SIGINT, None)
+    guards.StopRequest().handle(signal.SIGINT, None)
     said = capsys.readouterr().err.strip()
     assert said.startswith("Ctrl-C: stopping once this step is done, with a checkpoint (Ctrl-C again quits now, "
                            "without saving)")
@@ -698,7 +699,7 @@ def test_ctrl_c_reaching_one_rank_stops_both_after_the_same_step_with_one_whole_
             f"{run / f'checkpoint-{last + 1}'} holds its state; continue with: torchrun [its options, as before] "
             "train_ppo.py --output_dir ") in said
     assert [path.name for path in run.glob("checkpoint-*")] == [f"checkpoint-{last + 1}"]
-    assert common.checkpoint_problem(run / f"checkpoint-{last + 1}", train_ppo.CHECKPOINT_MEMBERS) is None
+    assert guards.checkpoint_problem(run / f"checkpoint-{last + 1}", train_ppo.CHECKPOINT_MEMBERS) is None
     assert json.loads((run / "rlver-run.json").read_text())["interrupted"] == [
         {"after_step": last, "checkpoint": str(run / f"checkpoint-{last + 1}")}]
 
@@ -733,8 +734,8 @@ def test_a_run_folder_removed_while_training_stops_the_run_instead_of_making_a_n
 @pytest.mark.slow
 def test_a_rank_that_dies_ends_the_other_in_one_line_instead_of_a_hang(tiny_model_dir, tmp_path):
     """Rank 1 killed mid-run (out of memory, a lost node): rank 0 must end at once in one line, not wait at a
-    collective nor save half a checkpoint: its collective fails (gloo: at once; common.lost_process), or the
-    launcher's SIGTERM ends it first (common.start_script), whichever comes first."""
+    collective nor save half a checkpoint: its collective fails (gloo: at once; guards.lost_process), or the
+    launcher's SIGTERM ends it first (guards.start_script), whichever comes first."""
     import signal
 
     from conftest import signal_rank_1
