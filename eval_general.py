@@ -59,8 +59,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
-import guards
+import common
+import guards  # before the libraries below: quick, and it quiets a Ctrl-C while they load
 
 if __name__ == "__main__":
     guards.start_script("the graded items' rows are in --output_dir (run the same command again to grade the rest)")

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
-import guards
+import common
+import guards  # before the libraries below: quick, and it quiets a Ctrl-C while they load
 
 if __name__ == "__main__":
     guards.start_script("the finished scenarios' rows are in --output (run the same command again to play the rest)")

@@ -7,6 +7,7 @@ loading) starts, and why no run writes over another's files. The method runs wit
 file and preflight.py out, deleting the statements that call them (docs/copying.md).
 """
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -20,9 +21,8 @@ import uuid
 from dataclasses import fields
 from pathlib import Path
 
-from common import (PACKAGED_MODEL, REPO_DIR, ArgumentError, EndpointError, InputError, append_json_lines, check_file,
-                    model_cache, packaged_model_folder, read_text, resolve_model, split_config_flag, warn,
-                    write_folder_once)
+from common import (PACKAGED_MODEL, ArgumentError, EndpointError, InputError, append_json_lines, json_lines,
+                    model_cache, packaged_model_folder, read_text, resolve_model, split_config_flag, write_folder_once)
 
 _outputs = {}  # an output's absolute path: its state as this run last left it (_output_state)
 
@@ -63,11 +63,18 @@ def check_output_kept(path) -> None:
                      "files mix; put it back and run the same command to go on, or start again with another output")
 
 
-def append_rows_kept(path, rows) -> None:
-    """append_json_lines to an output of this run's, after check_output_kept."""
+@contextlib.contextmanager
+def own_output(path):
+    """Around a write to an output of this run's: check_output_kept before it, note_output after."""
     check_output_kept(path)
-    append_json_lines(path, rows)
+    yield
     note_output(path)
+
+
+def append_rows_kept(path, rows) -> None:
+    """append_json_lines to an output of this run's (own_output)."""
+    with own_output(path):
+        append_json_lines(path, rows)
 
 
 def check_steps_in_order(where: str, step: int, last: dict) -> None:
@@ -229,15 +236,16 @@ def config_file(argv: list[str]) -> str | None:
     return argv[index]
 
 
-def parse_arguments(parser, argv: list[str], hint=lambda message: "") -> tuple:
-    """The dataclasses of a TrlParser: their defaults, then the --config YAML file's values (and its `env:`
-    variables), then the flags. A value that cannot work or an unknown flag prints usage and exits 2, with
-    `hint(message)` appended; a faulty config file raises InputError naming its file and line."""
+@contextlib.contextmanager
+def usage_errors(parser, argv: list[str], hint=lambda message: ""):
+    """Around parsing the dataclasses of a TrlParser from `argv` (and checking their values): a faulty --config
+    file raises InputError naming its file and line, before TrlParser reads it; a value that cannot work or an
+    unknown flag prints usage and exits 2, with `hint(message)` appended."""
     try:
         path = config_file(argv)
-        if path is not None:  # its faults by file:line, before TrlParser reads it
+        if path is not None:
             read_config(path, parser, extra_keys=("env",))
-        return parser.parse_args_and_config(split_config_flag(argv))
+        yield
     except ArgumentError as error:  # a value that cannot work: usage and what to fix, exit 2
         parser.error(str(error))
     except InputError:  # a bad --config file: one line naming it, exit 1, no usage
@@ -247,6 +255,13 @@ def parse_arguments(parser, argv: list[str], hint=lambda message: "") -> tuple:
     except ZeroDivisionError:  # a library's own check dividing by a count given as 0 (TRL's num_generations)
         parser.error("a count given as 0 where it divides another (as --num_generations does): counts must be at "
                      "least 1")
+
+
+def parse_arguments(parser, argv: list[str], hint=lambda message: "") -> tuple:
+    """The dataclasses of a TrlParser: their defaults, then the --config YAML file's values (and its `env:`
+    variables), then the flags; faults as usage_errors says."""
+    with usage_errors(parser, argv, hint):
+        return parser.parse_args_and_config(split_config_flag(argv))
 
 
 def closest_flags(parser, argv: list[str]) -> str:
@@ -368,13 +383,14 @@ def exit_interrupted(message: str):
     raise SystemExit(130)
 
 
-def run_trainer(main, resume_flag: str) -> None:
-    """Run a trainer's `main`, saying in one line, without a traceback, what the user can fix: bad input or an
+@contextlib.contextmanager
+def one_line_exits(resume_flag: str):
+    """Around a trainer's `main()`: say in one line, without a traceback, what the user can fix: bad input or an
     endpoint, a full disk (OSError), a lost process, Ctrl-C outside a training step (inside one, the trainer
     saves first). Each line says how to continue from the checkpoints, which are whole."""
     kept = f"every checkpoint in --output_dir is whole (continue with {resume_flag})"
     try:
-        main()
+        yield
     except (InputError, EndpointError) as error:  # the simulator's errors are EndpointErrors
         raise SystemExit(f"error: {error}") from None
     except OSError as error:  # a full disk, a name too long, a file moved away while it was needed
@@ -466,6 +482,48 @@ def check_steps_left(resume_flag: str, checkpoint, trained: int, max_steps: int)
     if max_steps != -1 and trained >= max_steps:
         raise InputError(f"{resume_flag}: {checkpoint} holds {trained} trained steps, as many as --max_steps "
                          f"{max_steps} asks; raise --max_steps to train on")
+
+
+def check_rows_up_to(paths: list, step: int, what: str = "transcripts") -> None:
+    """Refuse a resume at `step` whose rows of the steps before are gone (a file deleted or moved): the run would
+    go on, and its figures would start where the rows do."""
+    present = {row.get("step") for path in paths if Path(path).is_file()
+               for _, _, row in json_lines(path, what, skip_cut_last_line=True) if isinstance(row, dict)}
+    missing = sorted(set(range(step)) - present)
+    if missing:
+        shown = ", ".join(map(str, missing[:5])) + (" ..." if len(missing) > 5 else "")
+        raise InputError(f"the run's {what} ({', '.join(map(str, paths))}) hold no rows of steps {shown}, "
+                                f"which its checkpoint at step {step} trained: deleted or moved? put them back, or "
+                                "start a new run in another --output_dir")
+
+
+def drop_rows_from(path, step: int, what: str = "transcripts file") -> int:
+    """Drop the rows written for steps >= `step` (a resumed run plays them again); returns how many it dropped.
+    A last line cut short (a run killed while writing it) is dropped with a warning; any other line that is not a
+    row with its step is an error naming file:line, and the file is left as it was."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    try:
+        rows = list(json_lines(path, what, skip_cut_last_line=True))
+    except InputError as error:
+        raise InputError(f"{error}; mend or delete that line, then resume again (nothing was changed)") from None
+    for _, where, row in rows:
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise InputError(f"{where}: a row without its step; is {path.name} a training run's {what}?")
+        if row["step"] < step:
+            kept.append(row)
+        else:
+            dropped += 1
+    # A kill while writing leaves the old file whole. The name is the process's own, as every GRPO rank
+    # trims every rank's file (with the same result): its host's as well, as ranks on two nodes sharing the
+    # output folder can have the same process id.
+    partial = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.partial")
+    partial.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in kept), encoding="utf-8")
+    partial.replace(path)
+    note_output(path, again=True)  # this run's own rewrite
+    return dropped
 
 
 def note_interruption(folder, step: int, checkpoint, resume: str) -> None:

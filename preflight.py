@@ -1,7 +1,9 @@
-"""The trainers' start-up checks: what train_grpo.py and train_ppo.py refuse, or warn about, before a model
-loads, so that a mistake costs seconds, not a model load and a traceback; and GRPO's resume, checked and
-prepared. Kept apart so that the training scripts read as their algorithm; each trainer's `check_inputs` lists
-the checks it runs, in order."""
+"""The trainers' guards (guards.py holds the general ones): what train_grpo.py and train_ppo.py refuse, or warn
+about, before a model loads, so that a mistake costs seconds, not a model load and a traceback; the run folder
+claimed; resume, checked and prepared; Ctrl-C, which stops after the step in progress with a checkpoint. Kept
+apart so that the training scripts read as their algorithm: each calls these from a few visible places, every
+call a statement of its own that a copy of the method may delete (docs/copying.md)."""
+import contextlib
 import json
 import os
 import re
@@ -12,18 +14,72 @@ from urllib.parse import urlsplit
 
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import DistributedType, LoggerType
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, TrainerCallback
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 from trl import GRPOConfig
 
 import common
 import guards
-import rollout
 
 
 # --------------------------------------------------------------------------------------------
 # GRPO (train_grpo.py)
 # --------------------------------------------------------------------------------------------
+
+# The options that make a run what it is, which a resume keeps: other values would mix two methods in one run
+# (or fail on weights of another shape). Each trainer adds its own; batch sizes and learning rates may change.
+KEPT_ON_RESUME = ("think", "start_emotion", "max_turns", "max_think_tokens", "max_reply_tokens",
+                  "max_dialogue_tokens", "format_penalty", "policy_prompt", "backend", "variant", "simulator_model",
+                  "change_bound", "language", "simulator_prompts", "policy_prompts", "use_peft", "lora_r",
+                  "lora_alpha", "dtype", "temperature", "turn_credit", "profiles", "empty_user_message",
+                  "analysis_emotion", "simulator_temperature", "simulator_max_tokens")
+GRPO_KEPT_ON_RESUME = ("lora_target_modules", "num_generations", "beta", "loss_type", "turn_credit_coef",
+                       "turn_credit_baseline", "turn_credit_scale", "turn_groups")
+PPO_KEPT_ON_RESUME = ("critic_model_name_or_path", "per_turn_rows", "gamma", "lam", "kl_coef")
+
+
+def check_grpo_options(dialogue_args, simulator_args, credit_args, training_args: GRPOConfig, model_args) -> None:
+    """The option values train_grpo.py refuses while parsing (guards.usage_errors: usage, exit 2)."""
+    check_trl_options(training_args, model_args)
+    check_turn_credit(dialogue_args, credit_args, training_args)
+    if credit_args.turn_groups and simulator_args.backend != "rule":
+        raise common.ArgumentError(f"--turn_groups with --backend {simulator_args.backend}: a group's dialogues share "
+                                   "their first turns only with a user that answers the same reply the same way; use "
+                                   "--backend rule")
+
+
+def check_grpo_start(argv: list[str], parser, demo_defaults: dict, training_args: GRPOConfig, model_args) -> None:
+    """train_grpo.py's first checks, before anything slow: the set-up (check_setup), vLLM, the model by name."""
+    check_setup(argv, training_args, parser, demo_defaults)
+    guards.check_vllm(training_args.use_vllm)
+    guards.check_model(model_args.model_name_or_path, "model_name_or_path")
+
+
+def check_grpo_run(model_path: str, profiles: dict, dialogue_args, simulator_args, credit_args,
+                   training_args: GRPOConfig, model_args) -> None:
+    """The rest of what train_grpo.py can check without loading a model (or asking the simulator's endpoint);
+    then the run folder claimed as this run's, and the model's folder checked just before it loads."""
+    check_master_weights(model_path, training_args, model_args.use_peft)
+    check_profile_count(len(profiles), dialogue_args.profiles, training_args)
+    check_addresses_on_several_nodes(simulator_args, vllm_server_address(training_args, dialogue_args))
+    guards.check_process_count(training_args.distributed_state)
+    settings = guards.run_settings(KEPT_ON_RESUME + GRPO_KEPT_ON_RESUME, dialogue_args, simulator_args,
+                                   credit_args, model_args, training_args)
+    guards.claim_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path,
+                            bool(training_args.resume_from_checkpoint), "--resume_from_checkpoint", settings,
+                            training_args.distributed_state)
+    guards.check_model_folder(model_path, "model_name_or_path")
+
+
+def vllm_server_address(training_args: GRPOConfig, dialogue_args) -> str | None:
+    """The vLLM server every rank sends its turns to (server mode, --rollout async), else None."""
+    if not (training_args.use_vllm and training_args.vllm_mode == "server" and dialogue_args.rollout == "async"):
+        return None
+    import vllm_backends
+
+    return vllm_backends.server_url(training_args.vllm_server_base_url, training_args.vllm_server_host,
+                                    training_args.vllm_server_port)
+
 
 def check_trl_options(training_args: GRPOConfig, model_args) -> None:
     """TRL's dataclasses are not ours: check their values here, or inf, nan or a negative temperature would
@@ -212,12 +268,41 @@ def prepare_resume(training_args: GRPOConfig, transcripts: Path) -> None:
         trained = trainer_state_step(checkpoint)
         guards.check_steps_left("--resume_from_checkpoint", checkpoint, trained, training_args.max_steps)
     files = [transcripts, *transcripts.parent.glob("transcripts.rank*.jsonl")]
-    rollout.check_rows_up_to(files, trained)
-    dropped = sum(rollout.drop_rows_from(path, trained) for path in files)
+    guards.check_rows_up_to(files, trained)
+    dropped = sum(guards.drop_rows_from(path, trained) for path in files)
     if checkpoint is None:
         print(f"--resume_from_checkpoint: no checkpoint in {output_dir} yet (the run stopped before its first save, "
               f"every --save_steps {training_args.save_steps}): starting again at step 0; dropped the {dropped} "
               "transcript rows it wrote, as those steps are played again", file=sys.stderr)
+
+
+class StopOnCtrlC(TrainerCallback):
+    """Ctrl-C (guards.StopRequest, set as `request` while training): once the step in progress is done, the
+    Trainer saves a full checkpoint and stops; `stopped` says it did."""
+
+    def __init__(self):
+        self.request, self.stopped = None, False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.request is not None and self.request.stop_agreed() and state.global_step < state.max_steps:
+            control.should_save = control.should_training_stop = self.stopped = True
+
+
+@contextlib.contextmanager
+def grpo_stops_on_ctrl_c(trainer, training_args: GRPOConfig, runner):
+    """Around trainer.train(): a Ctrl-C stops the run once the step in progress is done, the Trainer saving its
+    checkpoint (StopOnCtrlC); then the run is marked as interrupted (guards.note_interruption) and exits 130."""
+    stop_on_ctrl_c = StopOnCtrlC()
+    trainer.add_callback(stop_on_ctrl_c)
+    with guards.StopRequest(show=trainer.accelerator.is_main_process) as stop_on_ctrl_c.request:
+        yield
+    if stop_on_ctrl_c.stopped:  # the Trainer saved the checkpoint of the step it stopped after
+        folder = Path(training_args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+        runner.close()
+        if trainer.accelerator.is_main_process:
+            guards.note_interruption(training_args.output_dir, trainer.state.global_step - 1, folder,
+                                     guards.resume_command("--resume_from_checkpoint", str(folder)))
+        raise SystemExit(130)
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,3 +377,72 @@ def check_launch(args, accelerator) -> None:
                    "accelerate_configs/zero2.yaml")
     if problem:
         raise SystemExit(problem if accelerator.is_main_process else 1)
+
+
+def check_ppo_start(args, simulator_args) -> None:
+    """train_ppo.py's first checks, before anything slow: the tracker, vLLM, the output folder (else found at the
+    first step's writes, the step lost), the models by name, the endpoints' addresses."""
+    check_tracker(args.report_to)
+    guards.check_vllm(args.use_vllm)
+    guards.check_output_folder(args.output_dir, "output_dir")
+    guards.check_model(args.model_name_or_path, "model_name_or_path")
+    if args.critic_model_name_or_path:
+        guards.check_model_source(args.critic_model_name_or_path, "critic_model_name_or_path")
+    check_addresses_on_several_nodes(simulator_args)  # --use_vllm takes one process
+
+
+def check_ppo_launch(args, dialogue_args, simulator_args, accelerator) -> None:
+    """The launch (check_launch), then the run folder claimed as this run's."""
+    check_launch(args, accelerator)
+    settings = guards.run_settings(KEPT_ON_RESUME + PPO_KEPT_ON_RESUME, args, dialogue_args, simulator_args)
+    guards.claim_run_folder(args.output_dir, "train_ppo.py", args.model_name_or_path, args.resume, "--resume",
+                            settings, accelerator)
+
+
+def check_ppo_models(args, policy_path: str) -> None:
+    """The models' folders, just before they load (after a resume's files, whose faults show first)."""
+    guards.check_model_folder(policy_path, "model_name_or_path")
+    if args.critic_model_name_or_path:
+        guards.check_model_folder(args.critic_model_name_or_path, "critic_model_name_or_path", tokenizer=False)
+
+
+def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_steps: int, max_steps: int,
+                 accelerator, members: tuple[str, ...], step_of):
+    """(newest checkpoint or None, the step to start at), after dropping the rows of the steps that will be
+    played again. Without a checkpoint a run resumes at step 0, as a run resumes at its last checkpoint:
+    the rows written since were of steps that are played again, so they go, with a note. (Refusing instead
+    would leave the user to delete the same rows by hand.) A finished run without checkpoints is refused:
+    starting it over would overwrite the policy it saved, and so is a resume with no steps left to train.
+    `members`: what a PPO checkpoint holds; `step_of(folder)`: the step its state holds."""
+    output_dir = Path(output_dir)
+    checkpoint = guards.newest_whole_checkpoint(output_dir, members, accelerator.print, step_of)
+    if checkpoint is None and transcripts.exists() and (output_dir / "critic.pt").is_file():
+        raise common.InputError(f"--resume: {output_dir} holds a finished run without checkpoints (none every "
+                                f"--save_steps {save_steps}), so there is nothing to continue; choose another "
+                                "--output_dir for a new run")
+    step = 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
+    guards.check_steps_left("--resume", checkpoint, step, max_steps)
+    guards.check_rows_up_to([transcripts], step)
+    if accelerator.is_main_process:
+        guards.check_rows_up_to([metrics_file], step, "metrics file")
+    dropped = (guards.drop_rows_from(transcripts, step),
+               guards.drop_rows_from(metrics_file, step, "metrics file") if accelerator.is_main_process else 0)
+    if checkpoint is None and any(dropped):
+        accelerator.print(f"--resume: no checkpoint in {output_dir} yet (the run stopped before its first save, at "
+                          f"step {save_steps}): starting again at step 0; dropped the {dropped[0]} transcript rows "
+                          f"and {dropped[1]} metrics rows it wrote, as those steps are played again")
+    return checkpoint, step
+
+
+def stop_if_asked(stop, step: int, max_steps: int, saved: bool, output_dir: Path, accelerator, save) -> None:
+    """Ctrl-C (guards.StopRequest) in a PPO run, decided alike on every rank after each step (stop_agreed): unless
+    `step` is the last, save the state before `step` with `save(folder)` unless this step `saved` it, mark the run,
+    exit 130. Not decided by the folder's presence: a broken checkpoint passed over at resume may hold the name."""
+    if not (stop.stop_agreed() and step < max_steps):
+        return
+    folder = Path(output_dir) / f"checkpoint-{step}"
+    if not saved:
+        save(folder)
+    if accelerator.is_main_process:
+        guards.note_interruption(output_dir, step - 1, folder, guards.resume_command("--resume"))
+    raise SystemExit(130)

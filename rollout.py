@@ -50,9 +50,6 @@ backends `vllm_backends.py`; `generate` is any of them. More on the schedules an
 docs/training.md.
 """
 import asyncio
-import json
-import os
-import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -754,50 +751,9 @@ def check_failures(dialogues: list[Dialogue], max_failed_share: float, accelerat
             f"{max_failed_share} allows; check the simulator endpoint. Last error: {last_error}")
 
 
-def check_rows_up_to(paths: list, step: int, what: str = "transcripts") -> None:
-    """Refuse a resume at `step` whose rows of the steps before are gone (a file deleted or moved): the run would
-    go on, and its figures would start where the rows do."""
-    present = {row.get("step") for path in paths if Path(path).is_file()
-               for _, _, row in common.json_lines(path, what, skip_cut_last_line=True) if isinstance(row, dict)}
-    missing = sorted(set(range(step)) - present)
-    if missing:
-        shown = ", ".join(map(str, missing[:5])) + (" ..." if len(missing) > 5 else "")
-        raise common.InputError(f"the run's {what} ({', '.join(map(str, paths))}) hold no rows of steps {shown}, "
-                                f"which its checkpoint at step {step} trained: deleted or moved? put them back, or "
-                                "start a new run in another --output_dir")
-
-
-def drop_rows_from(path, step: int, what: str = "transcripts file") -> int:
-    """Drop the rows written for steps >= `step` (a resumed run plays them again); returns how many it dropped.
-    A last line cut short (a run killed while writing it) is dropped with a warning; any other line that is not a
-    row with its step is an error naming file:line, and the file is left as it was."""
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    kept, dropped = [], 0
-    try:
-        rows = list(common.json_lines(path, what, skip_cut_last_line=True))
-    except common.InputError as error:
-        raise common.InputError(f"{error}; mend or delete that line, then resume again (nothing was changed)") from None
-    for _, where, row in rows:
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise common.InputError(f"{where}: a row without its step; is {path.name} a training run's {what}?")
-        if row["step"] < step:
-            kept.append(row)
-        else:
-            dropped += 1
-    # A kill while writing leaves the old file whole. The name is the process's own, as every GRPO rank
-    # trims every rank's file (with the same result): its host's as well, as ranks on two nodes sharing the
-    # output folder can have the same process id.
-    partial = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.partial")
-    partial.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in kept), encoding="utf-8")
-    partial.replace(path)
-    guards.note_output(path, again=True)  # this run's own rewrite
-    return dropped
-
-
 def write_transcripts(path, dialogues: list[Dialogue], step: int | None = None) -> None:
     """Append each dialogue's benchmark result row (plus step and thoughts) to a JSON Lines file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    guards.append_rows_kept(path, [dialogue.transcript(step) for dialogue in dialogues])
+    with guards.own_output(path):
+        common.append_json_lines(path, [dialogue.transcript(step) for dialogue in dialogues])

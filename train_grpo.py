@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
-import guards
+import common
+import guards  # before the libraries below: quick, and it quiets a Ctrl-C while they load
 
 if __name__ == "__main__":
     guards.start_script("every checkpoint in --output_dir is whole: continue with --resume_from_checkpoint true "
@@ -33,7 +33,7 @@ if __name__ == "__main__":
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from datasets import Dataset
-from transformers import AutoTokenizer, TrainerCallback
+from transformers import AutoTokenizer
 from transformers.trainer_callback import ProgressCallback
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 
@@ -41,10 +41,6 @@ import generation
 import preflight
 import rollout
 import simulator
-
-# With guards.KEPT_ON_RESUME: the options a resume keeps.
-GRPO_KEPT_ON_RESUME = ("lora_target_modules", "num_generations", "beta", "loss_type", "turn_credit_coef",
-                       "turn_credit_baseline", "turn_credit_scale", "turn_groups")
 
 # The offline demo. The paper's values in the comments; recipes/ hold them, and state
 # every key of this dict (tests/test_recipes.py): these are the parser's defaults under --config too.
@@ -111,16 +107,10 @@ def parse_arguments(argv: list[str] | None = None):
     then flags."""
     argv = sys.argv[1:] if argv is None else argv
     parser = make_parser()
-    dialogue_args, simulator_args, credit_args, training_args, model_args = guards.parse_arguments(
-        parser, argv, hint=preflight.batch_hint)
-    try:
-        preflight.check_trl_options(training_args, model_args)
-        preflight.check_turn_credit(dialogue_args, credit_args, training_args)
-    except common.ArgumentError as error:
-        parser.error(str(error))
-    if credit_args.turn_groups and simulator_args.backend != "rule":
-        parser.error(f"--turn_groups with --backend {simulator_args.backend}: a group's dialogues share their first "
-                     "turns only with a user that answers the same reply the same way; use --backend rule")
+    with guards.usage_errors(parser, argv, hint=preflight.batch_hint):
+        dialogue_args, simulator_args, credit_args, training_args, model_args = parser.parse_args_and_config(
+            common.split_config_flag(argv))
+        preflight.check_grpo_options(dialogue_args, simulator_args, credit_args, training_args, model_args)
     if str(training_args.resume_from_checkpoint).lower() in ("false", "none"):  # a path to transformers
         training_args.resume_from_checkpoint = None
     return dialogue_args, simulator_args, credit_args, training_args, model_args
@@ -250,18 +240,6 @@ def token_advantages(outcome: torch.Tensor, terms: list[list[float]], token_turn
     return outcome.unsqueeze(1) + (coef * per_token).to(outcome.dtype).to(outcome.device)
 
 
-class StopOnCtrlC(TrainerCallback):
-    """Ctrl-C (guards.StopRequest, set as `request` while training): once the step in progress is done, the
-    Trainer saves a full checkpoint and stops; `stopped` says it did."""
-
-    def __init__(self):
-        self.request, self.stopped = None, False
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.request is not None and self.request.stop_agreed() and state.global_step < state.max_steps:
-            control.should_save = control.should_training_stop = self.stopped = True
-
-
 class StepLines(ProgressCallback):
     """The Trainer's progress bar with one short line per step (rollout.step_line) in place of its dictionary of
     every metric, which trainer_state.json and the tracker keep."""
@@ -313,43 +291,9 @@ class DialogueGRPOTrainer(GRPOTrainer):
         return batch
 
 
-def check_inputs(argv, dialogue_args, simulator_args, credit_args, training_args, model_args) -> tuple[str, dict]:
-    """Every input that can be checked without a model, before one loads (or the simulator's endpoint is asked);
-    then the run folder is marked as this run's. Returns (the model's folder, the profiles by id)."""
-    preflight.check_setup(argv, training_args, make_parser(), DEMO_DEFAULTS)  # before anything slow
-    guards.check_vllm(training_args.use_vllm)
-    model_path = guards.checked_model(model_args.model_name_or_path, "model_name_or_path")
-    training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
-    preflight.check_master_weights(model_path, training_args, model_args.use_peft)
-    profiles = {p.id: p for p in simulator.load_playable_profiles(dialogue_args.profiles, simulator_args,
-                                                                   dialogue_args.think)}
-    preflight.check_profile_count(len(profiles), dialogue_args.profiles, training_args)
-    preflight.check_addresses_on_several_nodes(simulator_args, vllm_server_address(training_args, dialogue_args))
-    guards.check_process_count(training_args.distributed_state)
-    settings = guards.run_settings(guards.KEPT_ON_RESUME + GRPO_KEPT_ON_RESUME, dialogue_args, simulator_args,
-                                   credit_args, model_args, training_args)
-    guards.claim_run_folder(training_args.output_dir, "train_grpo.py", model_args.model_name_or_path,
-                            bool(training_args.resume_from_checkpoint), "--resume_from_checkpoint", settings,
-                            training_args.distributed_state)
-    guards.check_model_folder(model_path, "model_name_or_path")
-    return model_path, profiles
-
-
-def vllm_server_address(training_args: GRPOConfig, dialogue_args) -> str | None:
-    """The vLLM server every rank sends its turns to (server mode, --rollout async), else None."""
-    if not (training_args.use_vllm and training_args.vllm_mode == "server" and dialogue_args.rollout == "async"):
-        return None
-    import vllm_backends
-
-    return vllm_backends.server_url(training_args.vllm_server_base_url, training_args.vllm_server_host,
-                                    training_args.vllm_server_port)
-
-
 def train_and_save(trainer: DialogueGRPOTrainer, training_args: GRPOConfig, runner) -> None:
     """Train; save after a step where too many simulators failed, or after Ctrl-C; save the model at the end."""
-    stop_on_ctrl_c = StopOnCtrlC()
-    trainer.add_callback(stop_on_ctrl_c)
-    with guards.StopRequest(show=trainer.accelerator.is_main_process) as stop_on_ctrl_c.request:
+    with preflight.grpo_stops_on_ctrl_c(trainer, training_args, runner):
         try:
             trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         except rollout.TooManySimulatorFailures as error:
@@ -357,13 +301,6 @@ def train_and_save(trainer: DialogueGRPOTrainer, training_args: GRPOConfig, runn
             folder = Path(training_args.output_dir) / f"checkpoint-{trainer.state.global_step}"
             raise SystemExit(f"stopped at step {trainer.state.global_step} ({folder} holds the state before it; "
                              f"continue with --resume_from_checkpoint {folder}): {error}") from None
-    if stop_on_ctrl_c.stopped:  # the Trainer saved the checkpoint of the step it stopped after
-        folder = Path(training_args.output_dir) / f"checkpoint-{trainer.state.global_step}"
-        runner.close()
-        if trainer.accelerator.is_main_process:
-            guards.note_interruption(training_args.output_dir, trainer.state.global_step - 1, folder,
-                                     guards.resume_command("--resume_from_checkpoint", str(folder)))
-        raise SystemExit(130)
     guards.check_run_folder_kept(training_args.output_dir)
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
@@ -379,7 +316,15 @@ def main(argv: list[str] | None = None) -> None:
     dialogue_args, simulator_args, credit_args, training_args, model_args = parse_arguments(argv)
     if dialogue_args.think and training_args.output_dir == DEMO_DEFAULTS["output_dir"]:
         training_args.output_dir += "-think"  # the two demo runs side by side
-    model_path, profiles = check_inputs(argv, dialogue_args, simulator_args, credit_args, training_args, model_args)
+    # Every input that can be checked without a model is, before one loads (or the simulator's endpoint is asked);
+    # the run folder is claimed as this run's.
+    preflight.check_grpo_start(argv, make_parser(), DEMO_DEFAULTS, training_args, model_args)
+    model_path = common.resolve_model(model_args.model_name_or_path)
+    training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
+    profiles = {p.id: p for p in simulator.load_playable_profiles(dialogue_args.profiles, simulator_args,
+                                                                   dialogue_args.think)}
+    preflight.check_grpo_run(model_path, profiles, dialogue_args, simulator_args, credit_args, training_args,
+                             model_args)
     if training_args.distributed_state.is_main_process:
         print(rollout.run_line("GRPO", model_args.model_name_or_path, model_args.use_peft, simulator_args.backend,
                                dialogue_args.think, training_args.max_steps, training_args.output_dir), flush=True)
@@ -435,4 +380,5 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL 1.16
-    guards.run_trainer(main, "--resume_from_checkpoint true")
+    with guards.one_line_exits("--resume_from_checkpoint true"):
+        main()

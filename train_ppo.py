@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import common  # before the libraries below: quick, and it quiets a Ctrl-C while they load
-import guards
+import common
+import guards  # before the libraries below: quick, and it quiets a Ctrl-C while they load
 
 if __name__ == "__main__":
     guards.start_script("every checkpoint in --output_dir is whole: continue with --resume (from the newest, or "
@@ -129,25 +129,9 @@ class PPOArguments:
 def parse_arguments(argv=None):
     """(PPO, dialogue, simulator) arguments: the defaults, then the --config YAML, then flags (TrlParser)."""
     argv = sys.argv[1:] if argv is None else argv
-    return guards.parse_arguments(TrlParser((PPOArguments, rollout.DialogueArguments, simulator.SimulatorArguments)),
-                                  argv)
-
-
-def check_inputs(args: PPOArguments, dialogue_args, simulator_args) -> tuple[str, list]:
-    """(the policy's folder, the profiles), after refusing what would fail only once the models loaded."""
-    preflight.check_tracker(args.report_to)
-    guards.check_vllm(args.use_vllm)
-    guards.check_output_folder(args.output_dir, "output_dir")  # else found at the first step's writes, the step lost
-    policy_path = guards.checked_model(args.model_name_or_path, "model_name_or_path")
-    if args.critic_model_name_or_path:
-        guards.check_model_source(args.critic_model_name_or_path, "critic_model_name_or_path")
-    profiles = simulator.load_playable_profiles(dialogue_args.profiles, simulator_args, dialogue_args.think)
-    preflight.check_addresses_on_several_nodes(simulator_args)  # --use_vllm takes one process
-    return policy_path, profiles
-
-
-# With guards.KEPT_ON_RESUME: the options a resume keeps.
-PPO_KEPT_ON_RESUME = ("critic_model_name_or_path", "per_turn_rows", "gamma", "lam", "kl_coef")
+    parser = TrlParser((PPOArguments, rollout.DialogueArguments, simulator.SimulatorArguments))
+    with guards.usage_errors(parser, argv):
+        return parser.parse_args_and_config(common.split_config_flag(argv))
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,7 +241,7 @@ def set_up_models(args: PPOArguments, accelerator, checkpoint: Path | None, star
 
 
 # --------------------------------------------------------------------------------------------
-# Run files, checkpoints and resume
+# Run files and checkpoints
 # --------------------------------------------------------------------------------------------
 
 CHECKPOINT_MEMBERS = ("state.pt", "critic.pt", "policy")  # what save_checkpoint writes on every launch
@@ -329,32 +313,6 @@ def load_checkpoint(folder: Path, model, optimizer, accelerator) -> int:
     np.random.set_state(state["rng"]["numpy"])
     torch.set_rng_state(state["rng"]["torch"])
     return state["step"]
-
-
-def resume_point(output_dir: Path, transcripts: Path, metrics_file: Path, save_steps: int, max_steps: int,
-                 accelerator):
-    """(newest checkpoint or None, the step to start at), after dropping the rows of the steps that will be
-    played again. Without a checkpoint a run resumes at step 0, as a run resumes at its last checkpoint:
-    the rows written since were of steps that are played again, so they go, with a note. (Refusing instead
-    would leave the user to delete the same rows by hand.) A finished run without checkpoints is refused:
-    starting it over would overwrite the policy it saved, and so is a resume with no steps left to train."""
-    checkpoint = guards.newest_whole_checkpoint(output_dir, CHECKPOINT_MEMBERS, accelerator.print, checkpoint_step)
-    if checkpoint is None and transcripts.exists() and (output_dir / "critic.pt").is_file():
-        raise common.InputError(f"--resume: {output_dir} holds a finished run without checkpoints (none every "
-                                f"--save_steps {save_steps}), so there is nothing to continue; choose another "
-                                "--output_dir for a new run")
-    step = 0 if checkpoint is None else int(checkpoint.name.split("-")[1])
-    guards.check_steps_left("--resume", checkpoint, step, max_steps)
-    rollout.check_rows_up_to([transcripts], step)
-    if accelerator.is_main_process:
-        rollout.check_rows_up_to([metrics_file], step, "metrics file")
-    dropped = (rollout.drop_rows_from(transcripts, step),
-               rollout.drop_rows_from(metrics_file, step, "metrics file") if accelerator.is_main_process else 0)
-    if checkpoint is None and any(dropped):
-        accelerator.print(f"--resume: no checkpoint in {output_dir} yet (the run stopped before its first save, at "
-                          f"step {save_steps}): starting again at step 0; dropped the {dropped[0]} transcript rows "
-                          f"and {dropped[1]} metrics rows it wrote, as those steps are played again")
-    return checkpoint, step
 
 
 # --------------------------------------------------------------------------------------------
@@ -754,21 +712,11 @@ def log_step(metrics: dict, dialogues, step: int, transcripts: Path, metrics_fil
     guards.check_run_folder_kept(transcripts.parent)
     rollout.write_transcripts(transcripts, dialogues, step=step)
     if accelerator.is_main_process:
-        guards.append_rows_kept(metrics_file, [metrics])
+        with guards.own_output(metrics_file):
+            common.append_json_lines(metrics_file, [metrics])
         accelerator.print(rollout.step_line(step + 1, args.max_steps, metrics, think))
     if args.report_to != "none":
         accelerator.log(metrics, step=step)
-
-
-def stop_interrupted(output_dir: Path, step: int, saved: bool, model, optimizer, tokenizer, accelerator) -> None:
-    """Ctrl-C (guards.StopRequest): save the state before `step` unless this step `saved` it, mark the run,
-    exit 130. Not decided by the folder's presence: a broken checkpoint passed over at resume may hold the name."""
-    folder = output_dir / f"checkpoint-{step}"
-    if not saved:
-        save_checkpoint(folder, step, model, optimizer, tokenizer, accelerator)
-    if accelerator.is_main_process:
-        guards.note_interruption(output_dir, step - 1, folder, guards.resume_command("--resume"))
-    raise SystemExit(130)
 
 
 # --------------------------------------------------------------------------------------------
@@ -783,25 +731,23 @@ def main(argv=None) -> None:
     output_dir = Path(args.output_dir)
     # 0. Set-up. Every input that can be checked without a model is, before one loads (or the simulator's
     #    endpoint is asked); a resumed run drops the rows of the steps it will play again.
-    policy_path, profiles = check_inputs(args, dialogue_args, simulator_args)
+    preflight.check_ppo_start(args, simulator_args)
+    policy_path = common.resolve_model(args.model_name_or_path)
+    profiles = simulator.load_playable_profiles(dialogue_args.profiles, simulator_args, dialogue_args.think)
     accelerator = Accelerator(log_with=None if args.report_to == "none" else args.report_to,
                               project_dir=str(output_dir))
-    preflight.check_launch(args, accelerator)
-    settings = guards.run_settings(guards.KEPT_ON_RESUME + PPO_KEPT_ON_RESUME, args, dialogue_args, simulator_args)
-    guards.claim_run_folder(output_dir, "train_ppo.py", args.model_name_or_path, args.resume, "--resume", settings,
-                            accelerator)
+    preflight.check_ppo_launch(args, dialogue_args, simulator_args, accelerator)
     transcripts, metrics_file = run_files(output_dir, accelerator)
     accelerator.print(rollout.run_line("PPO", args.model_name_or_path, args.use_peft, simulator_args.backend,
                                        dialogue_args.think, args.max_steps, output_dir))
     checkpoint, start_step = None, 0
     if args.resume:  # the files' faults (a line cut short by a kill, ...) show now, not after the models load
-        checkpoint, start_step = resume_point(output_dir, transcripts, metrics_file, args.save_steps, args.max_steps,
-                                              accelerator)
+        checkpoint, start_step = preflight.resume_point(output_dir, transcripts, metrics_file, args.save_steps,
+                                                        args.max_steps, accelerator, CHECKPOINT_MEMBERS,
+                                                        checkpoint_step)
     common.use_all_cpu_cores()
     seed_everything(args.seed, accelerator.process_index)
-    guards.check_model_folder(policy_path, "model_name_or_path")
-    if args.critic_model_name_or_path:
-        guards.check_model_folder(args.critic_model_name_or_path, "critic_model_name_or_path", tokenizer=False)
+    preflight.check_ppo_models(args, policy_path)
     tokenizer = AutoTokenizer.from_pretrained(policy_path)
     runner = rollout.DialogueRunner(tokenizer, dialogue_args, simulator_args, rollout.make_chat(simulator_args))
     runner.check_chat()  # a wrong URL, key or model name fails now, before any model loads
@@ -881,8 +827,9 @@ def main(argv=None) -> None:
             if saved:
                 save_checkpoint(output_dir / f"checkpoint-{step + 1}", step + 1, model, optimizer, tokenizer,
                                 accelerator)
-            if stop.stop_agreed() and step + 1 < args.max_steps:
-                stop_interrupted(output_dir, step + 1, saved, model, optimizer, tokenizer, accelerator)
+            preflight.stop_if_asked(stop, step + 1, args.max_steps, saved, output_dir, accelerator,
+                                    save=lambda folder: save_checkpoint(folder, step + 1, model, optimizer, tokenizer,
+                                                                        accelerator))
 
     if accelerator.is_main_process:
         guards.check_run_folder_kept(output_dir)
@@ -894,4 +841,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    guards.run_trainer(main, "--resume")
+    with guards.one_line_exits("--resume"):
+        main()

@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project's modules, run from anywhere
 
-import common  # noqa: E402  (before the libraries below: quick, and it quiets a Ctrl-C while they load)
-import guards
+import common  # noqa: E402
+import guards  # noqa: E402  (before the libraries below: quick, and it quiets a Ctrl-C while they load)
 
 if __name__ == "__main__":
     guards.start_script("each finished n's row is in --output (where given)")

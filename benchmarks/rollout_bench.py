@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import chat_client  # noqa: E402
-import common  # noqa: E402  (before the libraries below: quick, and it quiets a Ctrl-C while they load)
-import guards
+import common  # noqa: E402
+import guards  # noqa: E402  (before the libraries below: quick, and it quiets a Ctrl-C while they load)
 
 if __name__ == "__main__":
     guards.start_script("nothing measured")

@@ -19,8 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reply_styles import LISTENING_PLAY, PLAYS, SENTENCES, read_need, reading_reply, salient_words, warm_reply  # noqa: E402
 
-import common  # noqa: E402
-import guards
+import guards  # noqa: E402
 import rule_user  # noqa: E402
 import simulator  # noqa: E402
 from conftest import user_options  # noqa: E402

@@ -14,7 +14,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-import guards
 import simulator  # noqa: E402
 
 # Property-based tests: the same generated examples on every run (a failure reproduces in CI and here), few

@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import common  # noqa: E402
-import guards
+import guards  # noqa: E402
 import rule_user  # noqa: E402
 import simulator  # noqa: E402
 from conftest import user_options  # noqa: E402

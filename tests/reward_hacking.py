@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import common  # noqa: E402
-import guards
+import guards  # noqa: E402
 import rollout  # noqa: E402
 import simulator  # noqa: E402
 

@@ -33,8 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adversarial import play, user_words, warmed  # noqa: E402
 from reply_styles import LISTENING_PLAY, PLAYS, SENTENCES, read_need, salient_words  # noqa: E402
 
-import common  # noqa: E402
-import guards
+import guards  # noqa: E402
 import simulator  # noqa: E402
 
 # Phrases anyone might try; {0} and {1} take the user's words.

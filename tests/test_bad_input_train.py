@@ -26,6 +26,8 @@ GRPO_DEMO = (train_grpo.make_parser(), train_grpo.DEMO_DEFAULTS)  # what preflig
 REPO = Path(__file__).resolve().parent.parent
 TRAINERS = {"grpo": train_grpo, "ppo": train_ppo}
 
+PPO_CHECKPOINTS = (train_ppo.CHECKPOINT_MEMBERS, train_ppo.checkpoint_step)  # preflight.resume_point's
+
 
 def profiles_digest(path) -> str:
     """The run marker's record of a profiles file, computed here with hashlib on the file's bytes."""
@@ -237,7 +239,7 @@ def test_the_scripts_print_an_input_error_as_one_line_without_a_traceback(tmp_pa
 def test_resume_drops_a_last_line_cut_short_by_a_kill_and_the_steps_played_again(tmp_path, capsys):
     transcripts = tmp_path / "transcripts.jsonl"
     transcripts.write_text('{"step": 0, "id": "a"}\n{"step": 1, "id": "b"}\n{"step": 2, "id": "c"}\n{"step": 2, "i')
-    assert rollout.drop_rows_from(transcripts, 2) == 1
+    assert guards.drop_rows_from(transcripts, 2) == 1
     assert [json.loads(line) for line in transcripts.read_text().splitlines()] == [{"step": 0, "id": "a"},
                                                                                    {"step": 1, "id": "b"}]
     assert "transcripts.jsonl:4: the last line is cut short" in capsys.readouterr().err
@@ -248,7 +250,7 @@ def test_resume_refuses_a_bad_line_in_the_middle_naming_it_and_leaves_the_file_a
     text = '{"step": 0}\n{"step": \n{"step": 1}\n'
     transcripts.write_text(text)
     with pytest.raises(common.InputError, match=r"transcripts.jsonl:2: not valid JSON .*; mend or delete that line"):
-        rollout.drop_rows_from(transcripts, 1)
+        guards.drop_rows_from(transcripts, 1)
     assert transcripts.read_text() == text
 
 
@@ -370,11 +372,11 @@ def test_a_resume_with_settings_other_than_the_runs_is_refused_naming_them(tmp_p
     argv = ["--model_name_or_path", str(model_folder), "--output_dir", str(output_dir)]
     if script == "train_ppo.py":
         args, dialogue_args, simulator_args = train_ppo.parse_arguments(argv)
-        settings = guards.run_settings(guards.KEPT_ON_RESUME + train_ppo.PPO_KEPT_ON_RESUME, args, dialogue_args,
+        settings = guards.run_settings(preflight.KEPT_ON_RESUME + preflight.PPO_KEPT_ON_RESUME, args, dialogue_args,
                                        simulator_args)
     else:
         dialogue_args, simulator_args, credit_args, training_args, model_args = train_grpo.parse_arguments(argv)
-        settings = guards.run_settings(guards.KEPT_ON_RESUME + train_grpo.GRPO_KEPT_ON_RESUME, dialogue_args,
+        settings = guards.run_settings(preflight.KEPT_ON_RESUME + preflight.GRPO_KEPT_ON_RESUME, dialogue_args,
                                        simulator_args, credit_args, model_args, training_args)
     guards.mark_run_folder(output_dir, script, str(model_folder), settings)
     (output_dir / "transcripts.jsonl").write_text('{"step": 0}\n')
@@ -502,11 +504,11 @@ def test_a_ppo_checkpoint_renamed_is_not_resumed_at_its_new_name(tmp_path):
     common.append_json_lines(run / "metrics.jsonl", [{"step": step} for step in range(5)])
     accelerator = types.SimpleNamespace(print=print, is_main_process=True)
     with pytest.raises(common.InputError, match="checkpoint-9: holds step 3, not 9 .* move them aside to start"):
-        train_ppo.resume_point(run, transcripts, run / "metrics.jsonl", 3, 30, accelerator)
+        preflight.resume_point(run, transcripts, run / "metrics.jsonl", 3, 30, accelerator, *PPO_CHECKPOINTS)
     assert [json.loads(line)["step"] for line in transcripts.read_text().splitlines()] == [0, 1, 2, 3, 4]
     folder.rename(run / "checkpoint-3")
-    assert train_ppo.resume_point(run, transcripts, run / "metrics.jsonl", 3, 30, accelerator) == (run / "checkpoint-3",
-                                                                                                    3)
+    assert preflight.resume_point(run, transcripts, run / "metrics.jsonl", 3, 30, accelerator,
+                                  *PPO_CHECKPOINTS) == (run / "checkpoint-3", 3)
 
 
 def test_a_grpo_run_stopped_before_its_first_checkpoint_resumes_at_step_0_and_a_finished_one_is_refused(tmp_path,
@@ -530,8 +532,8 @@ def test_a_full_disk_while_torch_saves_a_checkpoint_is_one_line_not_torchs_trace
         raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
                            "data/3: file write failed")
 
-    with pytest.raises(SystemExit) as stopped:
-        guards.run_trainer(main, "--resume")
+    with pytest.raises(SystemExit) as stopped, guards.one_line_exits("--resume"):
+        main()
     assert str(stopped.value.code).startswith("error: a checkpoint file could not be written: is the disk full?")
     assert "continue with --resume" in str(stopped.value.code)
 
@@ -547,10 +549,11 @@ def test_a_ppo_resume_whose_transcripts_were_deleted_is_refused_not_continued_wi
     accelerator = types.SimpleNamespace(print=print, is_main_process=True)
     with pytest.raises(common.InputError, match=r"hold no rows of steps 0, 1, which its checkpoint at step 2 "
                                                 r"trained: deleted or moved\?"):
-        train_ppo.resume_point(run, run / "transcripts.jsonl", run / "metrics.jsonl", 1, 30, accelerator)
+        preflight.resume_point(run, run / "transcripts.jsonl", run / "metrics.jsonl", 1, 30, accelerator,
+                               *PPO_CHECKPOINTS)
     common.append_json_lines(run / "transcripts.jsonl", [{"step": 0}, {"step": 1}])
-    assert train_ppo.resume_point(run, run / "transcripts.jsonl", run / "metrics.jsonl", 1, 30,
-                                  accelerator) == (folder, 2)
+    assert preflight.resume_point(run, run / "transcripts.jsonl", run / "metrics.jsonl", 1, 30,
+                                  accelerator, *PPO_CHECKPOINTS) == (folder, 2)
 
 
 def test_a_grpo_resume_whose_transcripts_were_deleted_is_refused(tmp_path):

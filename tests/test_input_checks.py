@@ -428,11 +428,12 @@ def test_on_several_nodes_addresses_that_name_each_node_itself_are_refused(monke
 
 
 def test_grpos_vllm_server_address_is_the_one_every_rank_calls_only_in_async_server_mode():
+    import preflight
     import train_grpo
 
     def address(*flags):
         dialogue_args, _, _, training_args, _ = train_grpo.parse_arguments(["--use_cpu", "true", *flags])
-        return train_grpo.vllm_server_address(training_args, dialogue_args)
+        return preflight.vllm_server_address(training_args, dialogue_args)
 
     assert address("--use_vllm", "--vllm_mode", "server", "--vllm_server_host", "h", "--vllm_server_port", "9") \
         == "http://h:9"

@@ -18,7 +18,7 @@ import pytest
 from conftest import free_port
 from test_ppo_gpu_paths import DEEPSPEED_ON_CPU, SMALL_RUN, json_lines
 
-import rollout
+import guards
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -282,11 +282,11 @@ def test_ranks_on_two_nodes_with_the_same_process_id_trim_one_shared_file_withou
     def node_b_trims_first(partial: Path, target: Path):
         monkeypatch.setattr(Path, "replace", replace)
         host["name"] = "node-b"
-        assert rollout.drop_rows_from(path, 2) == 2
+        assert guards.drop_rows_from(path, 2) == 2
         return replace(partial, target)
 
     monkeypatch.setattr(Path, "replace", node_b_trims_first)
-    assert rollout.drop_rows_from(path, 2) == 2
+    assert guards.drop_rows_from(path, 2) == 2
     assert [row["step"] for row in json_lines(path)] == [0, 0, 1, 1]
     assert [item.name for item in tmp_path.iterdir()] == [path.name]  # no temporary file left
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import common
 import generation
+import guards
 import vllm_backends
 import rollout
 import simulator
@@ -691,14 +692,14 @@ def test_resume_keeps_the_whole_rows_of_earlier_steps_wherever_the_last_line_was
     path = tmp_path_factory.mktemp("resume") / "transcripts.jsonl"
     path.write_bytes(data)
     whole = rows if last_whole else rows[:-1]
-    dropped = rollout.drop_rows_from(path, step)
+    dropped = guards.drop_rows_from(path, step)
     assert path.read_text(encoding="utf-8") == "".join(json.dumps(row, ensure_ascii=False) + "\n"
                                                        for row in whole if row["step"] < step)
     assert dropped == sum(row["step"] >= step for row in whole)
 
 
 def test_resume_without_a_transcripts_file_drops_nothing(tmp_path):
-    assert rollout.drop_rows_from(tmp_path / "transcripts.jsonl", 3) == 0
+    assert guards.drop_rows_from(tmp_path / "transcripts.jsonl", 3) == 0
     assert not (tmp_path / "transcripts.jsonl").exists()
 
 
@@ -708,7 +709,7 @@ def test_resume_refuses_a_row_without_its_step_naming_its_line_and_leaves_the_fi
     path.write_text(f'{{"step": 0}}\n{line}\n{{"step": 1}}\n')
     before = path.read_bytes()
     with pytest.raises(common.InputError, match=r"transcripts.jsonl:2: a row without its step"):
-        rollout.drop_rows_from(path, 1)
+        guards.drop_rows_from(path, 1)
     assert path.read_bytes() == before
 
 
@@ -726,7 +727,7 @@ def test_a_killed_step_is_trimmed_and_written_again_to_the_same_rows(byte_tokeni
     dialogues = play(byte_tokenizer, args, scripts)[0]
     rollout.write_transcripts(path, dialogues, step=2)
     path.write_bytes(path.read_bytes()[:-7])  # killed while writing step 2's last row
-    assert rollout.drop_rows_from(path, 2) == 1  # step 2's first row was whole
+    assert guards.drop_rows_from(path, 2) == 1  # step 2's first row was whole
     assert path.read_bytes() == complete
     rollout.write_transcripts(path, dialogues, step=2)
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]

@@ -103,17 +103,19 @@ import sys, time
 sys.path.insert(0, sys.argv[1])
 script, argv = sys.argv[2], sys.argv[3:]
 if script == "train_grpo.py":  # its start-up as main() runs it, up to the folder's claim
-    import train_grpo
-    train_grpo.check_inputs(argv, *train_grpo.parse_arguments(argv))
+    import common, preflight, simulator, train_grpo
+    dialogue_args, simulator_args, credit_args, training_args, model_args = train_grpo.parse_arguments(argv)
+    preflight.check_grpo_start(argv, train_grpo.make_parser(), train_grpo.DEMO_DEFAULTS, training_args, model_args)
+    training_args.model_init_kwargs = {"dtype": model_args.dtype}
+    profiles = {p.id: p for p in simulator.load_playable_profiles(dialogue_args.profiles, simulator_args, False)}
+    preflight.check_grpo_run(common.resolve_model(model_args.model_name_or_path), profiles, dialogue_args,
+                             simulator_args, credit_args, training_args, model_args)
 else:
     from accelerate import Accelerator
-    import common, train_ppo
+    import preflight, train_ppo
     args, dialogue_args, simulator_args = train_ppo.parse_arguments(argv)
-    train_ppo.check_inputs(args, dialogue_args, simulator_args)
-    settings = guards.run_settings(guards.KEPT_ON_RESUME + train_ppo.PPO_KEPT_ON_RESUME, args, dialogue_args,
-                                   simulator_args)
-    guards.claim_run_folder(args.output_dir, script, args.model_name_or_path, False, "--resume", settings,
-                            Accelerator())
+    preflight.check_ppo_start(args, simulator_args)
+    preflight.check_ppo_launch(args, dialogue_args, simulator_args, Accelerator())
 print("claimed", flush=True)
 time.sleep(90)  # a run loading its model, or between two steps
 """
