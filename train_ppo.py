@@ -112,17 +112,16 @@ class PPOArguments:
     def __post_init__(self):
         if self.micro_batch_size is None:
             self.micro_batch_size = self.minibatch_size  # no accumulation
-        positive, at_least_one, fraction = guards.POSITIVE, guards.AT_LEAST_ONE, guards.FRACTION
-        # DeepSpeed counts a whole number of micro-batches per optimizer step
-        divides_minibatch = (lambda value: value >= 1 and self.minibatch_size % value == 0,
-                             f"at least 1 and divide --minibatch_size {self.minibatch_size}")
         guards.check_options(
-            self, lora_r=at_least_one, learning_rate=positive, critic_learning_rate=positive,
-            profiles_per_step=at_least_one, dialogues_per_profile=at_least_one, max_steps=at_least_one,
-            ppo_epochs=at_least_one, minibatch_size=at_least_one, micro_batch_size=divides_minibatch,
-            gamma=fraction, lam=fraction, clip_range=positive,
-            value_clip_range=positive, entropy_coef=guards.NOT_NEGATIVE, kl_coef=guards.NOT_NEGATIVE,
-            max_grad_norm=positive, temperature=positive, save_steps=at_least_one, lora_alpha=positive,
+            self, lora_r=guards.AT_LEAST_ONE, learning_rate=guards.POSITIVE, critic_learning_rate=guards.POSITIVE,
+            profiles_per_step=guards.AT_LEAST_ONE, dialogues_per_profile=guards.AT_LEAST_ONE,
+            max_steps=guards.AT_LEAST_ONE, ppo_epochs=guards.AT_LEAST_ONE, minibatch_size=guards.AT_LEAST_ONE,
+            # DeepSpeed counts a whole number of micro-batches per optimizer step
+            micro_batch_size=(lambda value: value >= 1 and self.minibatch_size % value == 0,
+                              f"at least 1 and divide --minibatch_size {self.minibatch_size}"),
+            gamma=guards.FRACTION, lam=guards.FRACTION, clip_range=guards.POSITIVE, value_clip_range=guards.POSITIVE,
+            entropy_coef=guards.NOT_NEGATIVE, kl_coef=guards.NOT_NEGATIVE, max_grad_norm=guards.POSITIVE,
+            temperature=guards.POSITIVE, save_steps=guards.AT_LEAST_ONE, lora_alpha=guards.POSITIVE,
             seed=guards.SEED, vllm_server_port=(lambda value: 1 <= value <= 65535, "within 1-65535"))
 
 
@@ -724,13 +723,13 @@ def log_step(metrics: dict, dialogues, step: int, transcripts: Path, metrics_fil
 # --------------------------------------------------------------------------------------------
 
 def main(argv=None) -> None:
+    # 0. Set-up. Every input that can be checked without a model is, before one loads (or the simulator's
+    #    endpoint is asked); a resumed run drops the rows of the steps it will play again.
     common.quiet_libraries()
     args, dialogue_args, simulator_args = parse_arguments(argv)
     if dialogue_args.think and args.output_dir == "runs/ppo-demo":
         args.output_dir += "-think"  # the two demo runs side by side
     output_dir = Path(args.output_dir)
-    # 0. Set-up. Every input that can be checked without a model is, before one loads (or the simulator's
-    #    endpoint is asked); a resumed run drops the rows of the steps it will play again.
     preflight.check_ppo_start(args, simulator_args)
     policy_path = common.resolve_model(args.model_name_or_path)
     profiles = simulator.load_playable_profiles(dialogue_args.profiles, simulator_args, dialogue_args.think)

@@ -44,11 +44,11 @@ def test_no_two_files_import_each_other_directly_or_through_others():
     assert find_circle(graph) is None
     # What the README's layout section states, file by file.
     assert graph["common"] == graph["official"] == graph["rule_user"] == graph["vllm_backends"] == set()
-    assert graph["generation"] == {"common", "vllm_backends"} and graph["chat_client"] == {"common"}
-    assert graph["simulator"] == {"common", "official", "rule_user"}
-    assert graph["llm_user"] == {"chat_client", "common", "official", "simulator"}
-    assert graph["rollout"] == {"common", "generation", "llm_user", "simulator"}
-    assert graph["preflight"] == {"common", "rollout"}
+    assert graph["guards"] == {"common"} and graph["preflight"] == {"common", "guards", "vllm_backends"}
+    assert graph["generation"] == {"common", "guards", "vllm_backends"} and graph["chat_client"] == {"common", "guards"}
+    assert graph["simulator"] == {"common", "guards", "official", "rule_user"}
+    assert graph["llm_user"] == {"chat_client", "common", "guards", "official", "simulator"}
+    assert graph["rollout"] == {"common", "generation", "guards", "llm_user", "simulator"}
     assert all({"rollout", "preflight"} <= graph[trainer] for trainer in ("train_grpo", "train_ppo"))
     assert "rollout" in graph["eval_sentient"] and "chat_client" in graph["eval_general"]
 
