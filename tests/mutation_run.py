@@ -64,7 +64,7 @@ TARGETS = [
     ("rollout.py", "Dialogue.turn_changes"), ("rollout.py", "Dialogue.token_turns"), ("rollout.py", "reward"),
     ("rollout.py", "dialogue_metrics"), ("rollout.py", "Dialogue.append"), ("rollout.py", "DialogueRunner._sample"),
     ("rollout.py", "DialogueRunner._cut_thought"), ("rollout.py", "DialogueRunner._read_turn"),
-    ("rollout.py", "drop_rows_from"), ("rollout.py", "check_failures"),
+    ("guards.py", "drop_rows_from"), ("rollout.py", "check_failures"),
     ("generation.py", "split_think"), ("generation.py", "PrefixCache.reuse"),
     ("simulator.py", "Simulator.respond"), ("llm_user.py", "parse_analysis"),
     ("rule_user.py", "RuleUser.score"), ("rule_user.py", "RuleUser._worth"),
@@ -73,7 +73,7 @@ TARGETS = [
     ("report.py", "conversation"), ("report.py", "dialogue_block"), ("report.py", "filters"),
     ("report.py", "summary_figures"), ("report.py", "first_divergence"),
     ("eval_general.py", "network_namespace"), ("eval_general.py", "run_sandboxed"),
-    ("common.py", "json_lines"), ("common.py", "repair_last_line"), ("common.py", "check_options"),
+    ("common.py", "json_lines"), ("common.py", "repair_last_line"), ("guards.py", "check_options"),
 ]
 
 SWAP_COMPARE = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,

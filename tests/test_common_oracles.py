@@ -1,4 +1,4 @@
-"""common.py's option checks, --config files, argument parsing and JSON Lines files, at their boundaries and
+"""guards.py's option checks, --config files and argument parsing, and common.py's JSON Lines files, at their boundaries and
 against oracles written apart from the code (a file cut at every byte of its last line, rules at the values
 where they turn)."""
 import json
