@@ -657,28 +657,14 @@ def ppo_update(accelerator, model, optimizer, minibatch: dict, args: PPOArgument
     return dict(zip(names, (shares / processes).tolist()))
 
 
-def ppo_epochs(accelerator, model, optimizer, batch: dict, epoch_orders: list[list[int]], untrained_forward,
-               args: PPOArguments) -> list[dict]:
-    """Each epoch's minibatches in that epoch's order, one ppo_update each; the very first micro-batch
-    reuses `untrained_forward`, its forward pass made while scoring the old log-probs. Returns their stats.
-
-    Every rank makes as many optimizer steps as the rank with the most rows needs (minibatches of at
-    most minibatch_size rows); each rank shares its micro-batches of micro_batch_size rows out over
-    them as evenly as whole micro-batches allow, in order, so that each step takes a like share of
-    every rank's rows (10 rows, minibatch_size 8, micro_batch_size 2: minibatches of 6 and 4 rows)."""
-    device = batch["action_mask"].device
-    minibatches = max(1, most_over_ranks(-(-len(epoch_orders[0]) // args.minibatch_size), device))
-    stats = []
-    for epoch, order in enumerate(epoch_orders):
-        micro_batches = [order[start:start + args.micro_batch_size]
-                         for start in range(0, len(order), args.micro_batch_size)]
-        for index in range(minibatches):
-            shared = micro_batches[-(-len(micro_batches) * index // minibatches):  # the larger shares first
-                                   -(-len(micro_batches) * (index + 1) // minibatches)]
-            minibatch = select_rows(batch, [row for micro_batch in shared for row in micro_batch])
-            stats.append(ppo_update(accelerator, model, optimizer, minibatch, args,
-                                    untrained_forward if epoch == 0 and index == 0 else None))
-    return stats
+def minibatch_rows(order: list[int], minibatches: int, micro_batch_size: int) -> list[list[int]]:
+    """An epoch's rows, in its `order`, shared out over `minibatches` optimizer steps in whole micro-batches of
+    micro_batch_size rows, as evenly as they allow and the larger shares first, so that each step takes a like
+    share of every rank's rows (10 rows, 2 minibatches, micro-batches of 2: 6 rows and 4)."""
+    micro_batches = [order[start:start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
+    return [[row for micro_batch in micro_batches[-(-len(micro_batches) * index // minibatches):
+                                                  -(-len(micro_batches) * (index + 1) // minibatches)]
+             for row in micro_batch] for index in range(minibatches)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -810,8 +796,15 @@ def main(argv=None) -> None:
             batch.update(old_logprobs=old_logprobs, old_values=old_values, returns=returns,
                          advantages=whiten(advantages, batch["action_mask"]))
 
-            # 5. PPO epochs over shuffled minibatches of rows, one optimizer step per minibatch.
-            stats = ppo_epochs(accelerator, model, optimizer, batch, epoch_orders, untrained_forward, args)
+            # 5. PPO epochs over shuffled minibatches of rows, one optimizer step (ppo_update) per minibatch. Every
+            #    rank makes as many steps as the rank with the most rows needs (minibatches of at most
+            #    minibatch_size rows); the very first micro-batch reuses the pass that scored the old log-probs.
+            minibatches = max(1, most_over_ranks(-(-len(rows) // args.minibatch_size), accelerator.device))
+            stats = []
+            for epoch, order in enumerate(epoch_orders):
+                for index, minibatch in enumerate(minibatch_rows(order, minibatches, args.micro_batch_size)):
+                    stats.append(ppo_update(accelerator, model, optimizer, select_rows(batch, minibatch), args,
+                                            untrained_forward if epoch == index == 0 else None))
 
             # Logging, transcripts, checkpoints. The metrics are the step's: every rank's dialogues.
             columns, every_reward = step_dialogues(dialogues, final_rewards, accelerator)

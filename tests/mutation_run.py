@@ -58,7 +58,7 @@ TESTS_OF_FILE = {
 TARGETS = [
     ("train_ppo.py", "ppo_losses"), ("train_ppo.py", "masked_gae"), ("train_ppo.py", "whiten"),
     ("train_ppo.py", "masked_mean"), ("train_ppo.py", "place_rewards"), ("train_ppo.py", "turn_rewards"),
-    ("train_ppo.py", "dialogue_rows"), ("train_ppo.py", "state_values"), ("train_ppo.py", "ppo_epochs"),
+    ("train_ppo.py", "dialogue_rows"), ("train_ppo.py", "state_values"), ("train_ppo.py", "minibatch_rows"),
     ("train_ppo.py", "value_metrics"),
     ("train_grpo.py", "turn_terms"), ("train_grpo.py", "token_advantages"),
     ("rollout.py", "Dialogue.turn_changes"), ("rollout.py", "Dialogue.token_turns"), ("rollout.py", "reward"),

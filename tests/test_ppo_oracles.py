@@ -464,9 +464,9 @@ def rows_in(calls, batch) -> list[list[int]]:
 
 
 def test_a_second_epoch_trains_the_policy_the_first_epoch_updated(accelerator, monkeypatch):
-    """ppo_epochs 2, one minibatch per epoch in micro-batches of 2: epoch 1 trains on-policy (ratio 1, through the
-    pass that scored the old log-probs), epoch 2 on the updated policy, its rows in its own order, its ratios off
-    1 and clipped. Every update reports the losses of the weights it started from."""
+    """ppo_epochs 2, one minibatch per epoch in micro-batches of 2, as main runs them: epoch 1 trains on-policy
+    (ratio 1, through the pass that scored the old log-probs), epoch 2 on the updated policy, its rows in its own
+    order, its ratios off 1 and clipped. Every update reports the losses of the weights it started from."""
     networks, batch = tiny_networks(), batch_of()
     args = train_ppo.PPOArguments(**LOSS_ARGS, temperature=0.7, ppo_epochs=2, minibatch_size=4, micro_batch_size=2,
                                   learning_rate=0.05, critic_learning_rate=0.01)
@@ -475,47 +475,46 @@ def test_a_second_epoch_trains_the_policy_the_first_epoch_updated(accelerator, m
                                                                              args.temperature, args.micro_batch_size)
     batch.update(old_logprobs=old_logprobs, old_values=old_values)
     calls = recording_updates(monkeypatch, call_real=True)
-    stats = train_ppo.ppo_epochs(accelerator, networks, train_ppo.make_optimizer(networks, args), batch, orders,
-                                 untrained_forward, args)
+    optimizer = train_ppo.make_optimizer(networks, args)
+    stats = [train_ppo.ppo_update(accelerator, networks, optimizer, train_ppo.select_rows(batch, order), args,
+                                  untrained_forward if epoch == 0 else None) for epoch, order in enumerate(orders)]
     assert rows_in(calls, batch) == orders
-    assert [call.reused for call in calls] == [True, False]
     for got, call in zip(stats, calls):
         assert got == pytest.approx(call.expected, abs=1e-5)
     assert stats[0]["ppo/clip_fraction"] == 0.0
     assert stats[1]["ppo/clip_fraction"] > 0.2  # the first epoch's step moved the policy past the clip
 
 
-def test_epochs_share_rows_out_into_the_fewest_minibatches_larger_first_each_in_its_epochs_order(monkeypatch):
-    """10 rows, minibatches of at most 8, micro-batches of 2: two steps per epoch, of 6 and 4 rows (5 micro-batches
-    shared 3 and 2), taken in that epoch's order; only the very first reuses the old log-probs' pass."""
-    generator = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randint(0, 1000, (10, 5), generator=generator), "action_mask": torch.ones(10, 5)}
-    orders = [[3, 1, 4, 0, 5, 9, 2, 6, 8, 7], [7, 0, 2, 9, 6, 1, 3, 8, 5, 4]]
+def test_an_epoch_shares_its_rows_out_into_minibatches_larger_first_in_its_order():
+    """10 rows in 2 minibatches of micro-batches of 2: 6 rows and 4 (5 micro-batches shared 3 and 2), in the
+    epoch's order; a minibatch count of 1 takes the epoch whole."""
+    order = [3, 1, 4, 0, 5, 9, 2, 6, 8, 7]
+    assert train_ppo.minibatch_rows(order, 2, 2) == [order[:6], order[6:]]
+    assert train_ppo.minibatch_rows([4, 3, 2, 1, 0], 1, 3) == [[4, 3, 2, 1, 0]]
+
+
+def test_three_minibatches_take_their_shares_in_order_larger_first():
+    """7 rows in 3 minibatches of micro-batches of 1: 3, 2 and 2 rows. With two minibatches a share counted from
+    the end (5 micro-batches: the last 2) is the same as one counted from the start (after the first 3); with
+    three it is not. A rank with fewer rows than the ranks' minibatches gets empty ones (ppo_update pads them)."""
+    assert train_ppo.minibatch_rows([6, 2, 5, 0, 3, 1, 4], 3, 1) == [[6, 2, 5], [0, 3], [1, 4]]
+    assert train_ppo.minibatch_rows([1, 0], 3, 1) == [[1], [0], []]
+
+
+@pytest.mark.slow
+def test_main_trains_every_epoch_on_every_row_in_minibatches_reusing_only_the_very_first_pass(tiny_model_dir,
+                                                                                             tmp_path, monkeypatch):
+    """4 rows, 2 epochs, minibatches of at most 3 rows: two updates an epoch (the fewest that hold 4 rows), of 2 rows
+    each, each epoch on all 4 rows; only the first update of the first epoch gets the forward pass made while
+    scoring the old log-probs."""
     calls = recording_updates(monkeypatch, call_real=False)
-    args = train_ppo.PPOArguments(ppo_epochs=2, minibatch_size=8, micro_batch_size=2)
-    stats = train_ppo.ppo_epochs(None, None, None, batch, orders, "first pass", args)
-    assert rows_in(calls, batch) == [orders[0][:6], orders[0][6:], orders[1][:6], orders[1][6:]]
+    train_ppo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "run"),
+                    "--max_steps", "1", "--max_turns", "1", "--max_reply_tokens", "4", "--profiles_per_step", "2",
+                    "--dialogues_per_profile", "2", "--ppo_epochs", "2", "--minibatch_size", "3",
+                    "--micro_batch_size", "1"])
+    assert [len(call.ids) for call in calls] == [2, 2, 2, 2]
     assert [call.reused for call in calls] == [True, False, False, False]
-    assert len(stats) == 4
-
-
-def test_three_minibatches_take_their_shares_in_order_larger_first(monkeypatch):
-    """7 rows, minibatches of at most 3, micro-batches of 1: three steps of 3, 2 and 2 rows. With two
-    minibatches a share counted from the end (5 micro-batches: the last 2) is the same as one counted from the
-    start (after the first 3); with three it is not."""
-    batch = {"input_ids": torch.arange(14).reshape(7, 2), "action_mask": torch.ones(7, 2)}
-    calls = recording_updates(monkeypatch, call_real=False)
-    args = train_ppo.PPOArguments(ppo_epochs=1, minibatch_size=3, micro_batch_size=1)
-    train_ppo.ppo_epochs(None, None, None, batch, [[6, 2, 5, 0, 3, 1, 4]], None, args)
-    assert rows_in(calls, batch) == [[6, 2, 5], [0, 3], [1, 4]]
-
-
-def test_a_minibatch_as_large_as_the_batch_is_one_step_per_epoch(monkeypatch):
-    batch = {"input_ids": torch.arange(15).reshape(5, 3), "action_mask": torch.ones(5, 3)}
-    calls = recording_updates(monkeypatch, call_real=False)
-    args = train_ppo.PPOArguments(ppo_epochs=3, minibatch_size=6, micro_batch_size=3)
-    train_ppo.ppo_epochs(None, None, None, batch, [[4, 3, 2, 1, 0]] * 3, None, args)
-    assert rows_in(calls, batch) == [[4, 3, 2, 1, 0]] * 3
+    assert sorted(calls[0].ids + calls[1].ids) == sorted(calls[2].ids + calls[3].ids)
 
 
 # --------------------------------------------------------------------------------------------

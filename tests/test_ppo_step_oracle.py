@@ -41,19 +41,28 @@ def test_the_batch_each_step_trains_on_is_the_papers_computation_from_its_dialog
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    played, checked, value_sizes = [], [], []
-    stop_if_failed, train = train_ppo.stop_if_simulators_failed, train_ppo.ppo_epochs
+    played, checked, value_sizes, batches, orders = [], [], [], [], []
+    stop_if_failed, pad, split, train = (train_ppo.stop_if_simulators_failed, train_ppo.pad_batch,
+                                         train_ppo.minibatch_rows, train_ppo.ppo_update)
 
     def keep_dialogues(dialogues, *rest):
         played.append(dialogues)
         return stop_if_failed(dialogues, *rest)
 
-    def check_then_train(accelerator, model, optimizer, batch, epoch_orders, untrained_forward, args):
-        dialogues = played[-1]
+    def keep_batch(*given):  # the step's batch, which the step fills in (old log-probs, ..., advantages)
+        batches.append(pad(*given))
+        return batches[-1]
+
+    def keep_order(order, *rest):
+        orders.append(order)
+        return split(order, *rest)
+
+    def check_then_train(accelerator, model, optimizer, minibatch, args, untrained_forward=None):
+        if untrained_forward is None:  # not the step's first update: checked already
+            return train(accelerator, model, optimizer, minibatch, args, untrained_forward)
+        dialogues, batch = played[-1], batches[-1]
         networks = accelerator.unwrap_model(model)
         ids, attention, actions = batch["input_ids"], batch["attention_mask"], batch["action_mask"]
-        assert len(epoch_orders) == OPTIONS["ppo_epochs"]
-        assert all(sorted(order) == list(range(len(dialogues))) for order in epoch_orders)
         for row, dialogue in enumerate(dialogues):  # one row a dialogue, in order, right-padded
             length = len(dialogue.prompt_ids) + len(dialogue.completion_ids)
             assert ids[row, :length].tolist() == dialogue.prompt_ids + dialogue.completion_ids
@@ -83,16 +92,20 @@ def test_the_batch_each_step_trains_on_is_the_papers_computation_from_its_dialog
         whitened = [(a - mean) / (std + 1e-8) for a in pooled]
         assert batch["advantages"][actions > 0].tolist() == pytest.approx(whitened, abs=1e-3)
         assert batch["advantages"][actions == 0].abs().sum() == 0
-        return train(accelerator, model, optimizer, batch, epoch_orders, untrained_forward, args)
+        return train(accelerator, model, optimizer, minibatch, args, untrained_forward)
 
     monkeypatch.setattr(train_ppo, "stop_if_simulators_failed", keep_dialogues)
-    monkeypatch.setattr(train_ppo, "ppo_epochs", check_then_train)
+    monkeypatch.setattr(train_ppo, "pad_batch", keep_batch)
+    monkeypatch.setattr(train_ppo, "minibatch_rows", keep_order)
+    monkeypatch.setattr(train_ppo, "ppo_update", check_then_train)
     flags = [part for name, value in OPTIONS.items() for part in (f"--{name}", str(value))]
     train_ppo.main(["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(tmp_path / "run"), "--think",
                     "--max_turns", "2", "--max_think_tokens", "4", "--max_reply_tokens", "6",
                     "--profiles_per_step", "2", "--dialogues_per_profile", "2", *flags])
 
     assert len(played) == OPTIONS["max_steps"] and len(checked) == 4 * OPTIONS["max_steps"]
+    assert len(orders) == OPTIONS["ppo_epochs"] * OPTIONS["max_steps"]  # each epoch in an order of its own
+    assert all(sorted(order) == list(range(4)) for order in orders)
     # A blank critic values every state at 0 (step 0); at 0.05 it learned, so that gamma and lambda, which a
     # blank critic only shows as their product, each showed in the later steps.
     assert value_sizes[0] == 0 and min(value_sizes[1:]) > 0.01

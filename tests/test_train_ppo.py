@@ -573,13 +573,14 @@ def test_ctrl_c_finishes_the_step_saves_it_marks_the_run_and_says_how_to_continu
     argv = ["--model_name_or_path", str(tiny_model_dir), "--output_dir", str(run), "--max_steps", "3",
             "--max_turns", "1", "--max_reply_tokens", "4", "--dialogues_per_profile", "2", "--minibatch_size", "2",
             "--save_steps", "10"]
-    train = train_ppo.ppo_epochs
+    train = train_ppo.ppo_update
 
-    def ctrl_c_then_train(*args):  # Ctrl-C in the middle of step 0's update
-        os.kill(os.getpid(), signal.SIGINT)
+    def ctrl_c_then_train(*args):  # Ctrl-C in the middle of the step's update
+        if args[-1] is not None:  # the step's first minibatch (it reuses the scoring pass)
+            os.kill(os.getpid(), signal.SIGINT)
         return train(*args)
 
-    monkeypatch.setattr(train_ppo, "ppo_epochs", ctrl_c_then_train)
+    monkeypatch.setattr(train_ppo, "ppo_update", ctrl_c_then_train)
     monkeypatch.setattr(sys, "argv", ["/somewhere/train_ppo.py", *argv])
     with pytest.raises(SystemExit) as stopped:
         train_ppo.main(argv)
@@ -601,7 +602,7 @@ def test_ctrl_c_finishes_the_step_saves_it_marks_the_run_and_says_how_to_continu
     assert guards.checkpoint_problem(run / "checkpoint-2", train_ppo.CHECKPOINT_MEMBERS) is None
     assert json.loads((run / "rlver-run.json").read_text())["interrupted"][1] == {
         "after_step": 1, "checkpoint": str(run / "checkpoint-2")}
-    monkeypatch.setattr(train_ppo, "ppo_epochs", train)
+    monkeypatch.setattr(train_ppo, "ppo_update", train)
     train_ppo.main(argv + ["--resume"])
     steps = [json.loads(line)["step"] for line in (run / "transcripts.jsonl").read_text().splitlines()]
     assert steps == [0, 0, 1, 1, 2, 2]
