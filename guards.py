@@ -24,6 +24,10 @@ from pathlib import Path
 from common import (PACKAGED_MODEL, ArgumentError, EndpointError, InputError, append_json_lines, json_lines,
                     model_cache, packaged_model_folder, read_text, resolve_model, split_config_flag, write_folder_once)
 
+# --------------------------------------------------------------------------------------------
+# Outputs written only while they are this run's own, and input files of one run
+# --------------------------------------------------------------------------------------------
+
 _outputs = {}  # an output's absolute path: its state as this run last left it (_output_state)
 
 
@@ -87,6 +91,10 @@ def check_steps_in_order(where: str, step: int, last: dict) -> None:
                          "transcripts")
     last["step"] = step
 
+
+# --------------------------------------------------------------------------------------------
+# Options and --config files
+# --------------------------------------------------------------------------------------------
 
 def check_options(options, **rules) -> None:
     """Raise ArgumentError naming every option whose value breaks its rule; a rule maps an option name to
@@ -276,6 +284,10 @@ def closest_flags(parser, argv: list[str]) -> str:
     return f"; did you mean {', '.join(guesses)}?" if guesses else ""
 
 
+# --------------------------------------------------------------------------------------------
+# Output paths, checked before any work
+# --------------------------------------------------------------------------------------------
+
 MIN_FREE_BYTES = 64 * 2**20  # less free space than this on an output's filesystem is refused before any work
 
 
@@ -322,6 +334,29 @@ def check_output_file(path, option: str, made_here=None, inputs=()) -> None:
         raise InputError(f"--{option} {path}: a file this script did not write; give another path, or delete it")
     check_output_folder(path.parent, option, given=path)
 
+
+def starts_with(marker: bytes, size: int = 4096):
+    """made_here for check_output_file: whether a file's first `size` bytes hold `marker`."""
+    def made_here(path) -> bool:
+        with open(path, "rb") as file:
+            return marker in file.read(size)
+    return made_here
+
+
+def json_object_with(key: str):
+    """made_here for check_output_file: whether a file is a JSON object holding `key` (a summary)."""
+    def made_here(path) -> bool:
+        try:
+            made = json.loads(Path(path).read_bytes())
+        except ValueError:  # not JSON, not UTF-8
+            return False
+        return isinstance(made, dict) and key in made
+    return made_here
+
+
+# --------------------------------------------------------------------------------------------
+# Signals, Ctrl-C, and errors in one line
+# --------------------------------------------------------------------------------------------
 
 def start_script(on_terminate: str) -> None:
     """Called by each script run as a program, before its slow imports. Its output never fails on a character
@@ -454,6 +489,10 @@ def launcher_deadline() -> str:
             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT set higher")
 
 
+# --------------------------------------------------------------------------------------------
+# Resume: the command that continues a run, the rows of the steps played again, checkpoints
+# --------------------------------------------------------------------------------------------
+
 def resume_command(option: str, value: str | None = None) -> str:
     """The command line that continues this run: this script and its options, with `option` (and its
     `value`) in place of any it had, after the launcher that started it. A process cannot see its
@@ -538,66 +577,6 @@ def note_interruption(folder, step: int, checkpoint, resume: str) -> None:
           f"state; continue with: {resume}", file=sys.stderr)
 
 
-def model_record(model: str, base_url: str | None = None) -> dict:
-    """Which model made a result: an endpoint's served model name; a hub id or the packaged model by its
-    name; a local folder by its path and a fingerprint of its files (each one's name, size and first and
-    last MiB: retrained weights change it, and it reads MBs, not a 15 GB model), an adapter also by the
-    base model its config names."""
-    import hashlib
-
-    if base_url:  # the served name: a restarted server on another address serves the same model
-        return {"model": model, "served": True}
-    folder = Path(model)
-    if not folder.is_dir():
-        return {"model": model}
-    digest = hashlib.sha256()
-    for path in sorted(path for path in folder.rglob("*") if path.is_file()):
-        size = path.stat().st_size
-        digest.update(f"{path.relative_to(folder)}\0{size}\0".encode())
-        with path.open("rb") as file:
-            digest.update(file.read(2**20))
-            file.seek(max(2**20, size - 2**20))
-            digest.update(file.read())
-    record = {"model": str(folder.resolve()), "model_fingerprint": digest.hexdigest()[:16]}
-    if (folder / "adapter_config.json").is_file():
-        record["base_model"] = json.loads(read_text(folder / "adapter_config.json", "adapter config")).get(
-            "base_model_name_or_path")
-    return record
-
-
-def digest(value) -> str:
-    """A short fingerprint of a JSON value (an input item, a profile), for a row to record what it answered."""
-    import hashlib
-
-    text = json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)  # default: a library's own objects
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def check_inputs_unchanged(path, rows: list[dict], current: dict[str, str], what: str) -> None:
-    """Refuse to resume onto rows whose input (`current`: id -> digest of the input now) changed since they were
-    written (each row's "input_digest"): the old answer would be scored as this input's."""
-    for row in rows:
-        if "input_digest" in row and row["id"] in current and row["input_digest"] != current[row["id"]]:
-            raise InputError(f"{path}: the row of {what} {row['id']!r} answered another version of it (its text "
-                             "changed since); choose another output, or delete that row to play it again")
-
-
-def check_made_by(path, rows: list[dict], made_by: dict) -> None:
-    """Refuse to add rows to a result file whose rows another model or other settings made (each row's
-    "made_by"), naming what differs: a file mixing two models would be scored as one."""
-    for number, row in enumerate(rows, 1):
-        theirs = row.get("made_by")
-        if theirs is None:
-            raise InputError(f"{path}: row {number} does not say which model and settings made it; choose "
-                             "another output to start afresh")
-        differ = sorted(key for key in theirs.keys() | made_by.keys() if theirs.get(key) != made_by.get(key))
-        if differ:
-            was = ", ".join(f"{key}={theirs.get(key)!r}" for key in differ)
-            now = ", ".join(f"{key}={made_by.get(key)!r}" for key in differ)
-            raise InputError(f"{path}: its rows were made with {was}; this run has {now}. Resume with the "
-                             "same model and settings, or choose another output")
-
-
 def checkpoint_problem(folder, required: tuple[str, ...], step_of=None) -> str | None:
     """Why a checkpoint folder cannot be resumed from (None if it can): a `required` member missing, an
     empty file, a torch file (.pt, .bin, .pth: zip archives) cut short, a safetensors file or JSON file
@@ -656,16 +635,11 @@ def newest_whole_checkpoint(output_dir, required: tuple[str, ...], say=print, st
     return None
 
 
+# --------------------------------------------------------------------------------------------
+# Run folders: claimed, marked, held, shared by every node
+# --------------------------------------------------------------------------------------------
+
 RUN_MARKER = "rlver-run.json"  # written into a trainer's output folder when its run starts: whose run it is
-
-
-# The options that make a run what it is, which a resume keeps: other values would mix two methods in one run
-# (or fail on weights of another shape). Each trainer adds its own; batch sizes and learning rates may change.
-KEPT_ON_RESUME = ("think", "start_emotion", "max_turns", "max_think_tokens", "max_reply_tokens",
-                  "max_dialogue_tokens", "format_penalty", "policy_prompt", "backend", "variant", "simulator_model",
-                  "change_bound", "language", "simulator_prompts", "policy_prompts", "use_peft", "lora_r",
-                  "lora_alpha", "dtype", "temperature", "turn_credit", "profiles", "empty_user_message",
-                  "analysis_emotion", "simulator_temperature", "simulator_max_tokens")
 
 
 def run_settings(names, *options) -> dict:
@@ -812,25 +786,6 @@ def check_run_folder_kept(folder) -> None:
     check_output_kept(Path(folder) / RUN_MARKER)
 
 
-def starts_with(marker: bytes, size: int = 4096):
-    """made_here for check_output_file: whether a file's first `size` bytes hold `marker`."""
-    def made_here(path) -> bool:
-        with open(path, "rb") as file:
-            return marker in file.read(size)
-    return made_here
-
-
-def json_object_with(key: str):
-    """made_here for check_output_file: whether a file is a JSON object holding `key` (a summary)."""
-    def made_here(path) -> bool:
-        try:
-            made = json.loads(Path(path).read_bytes())
-        except ValueError:  # not JSON, not UTF-8
-            return False
-        return isinstance(made, dict) and key in made
-    return made_here
-
-
 def check_process_count(state) -> None:
     """Refuse a launch whose processes do not see each other: torchrun (or any launcher setting WORLD_SIZE)
     on a machine without GPUs starts processes that accelerate, unless told to use the CPU, takes for single
@@ -870,6 +825,74 @@ def check_shared_folder(folder, accelerator, option: str = "output_dir") -> None
                          f"wrote there is not seen by {', '.join(blind)}): checkpoints and resume need one; give a "
                          "folder every node mounts (NFS, Lustre, ...)")
 
+
+# --------------------------------------------------------------------------------------------
+# Result files: which model and settings made their rows, and which inputs they answered
+# --------------------------------------------------------------------------------------------
+
+def model_record(model: str, base_url: str | None = None) -> dict:
+    """Which model made a result: an endpoint's served model name; a hub id or the packaged model by its
+    name; a local folder by its path and a fingerprint of its files (each one's name, size and first and
+    last MiB: retrained weights change it, and it reads MBs, not a 15 GB model), an adapter also by the
+    base model its config names."""
+    import hashlib
+
+    if base_url:  # the served name: a restarted server on another address serves the same model
+        return {"model": model, "served": True}
+    folder = Path(model)
+    if not folder.is_dir():
+        return {"model": model}
+    digest = hashlib.sha256()
+    for path in sorted(path for path in folder.rglob("*") if path.is_file()):
+        size = path.stat().st_size
+        digest.update(f"{path.relative_to(folder)}\0{size}\0".encode())
+        with path.open("rb") as file:
+            digest.update(file.read(2**20))
+            file.seek(max(2**20, size - 2**20))
+            digest.update(file.read())
+    record = {"model": str(folder.resolve()), "model_fingerprint": digest.hexdigest()[:16]}
+    if (folder / "adapter_config.json").is_file():
+        record["base_model"] = json.loads(read_text(folder / "adapter_config.json", "adapter config")).get(
+            "base_model_name_or_path")
+    return record
+
+
+def digest(value) -> str:
+    """A short fingerprint of a JSON value (an input item, a profile), for a row to record what it answered."""
+    import hashlib
+
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)  # default: a library's own objects
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def check_inputs_unchanged(path, rows: list[dict], current: dict[str, str], what: str) -> None:
+    """Refuse to resume onto rows whose input (`current`: id -> digest of the input now) changed since they were
+    written (each row's "input_digest"): the old answer would be scored as this input's."""
+    for row in rows:
+        if "input_digest" in row and row["id"] in current and row["input_digest"] != current[row["id"]]:
+            raise InputError(f"{path}: the row of {what} {row['id']!r} answered another version of it (its text "
+                             "changed since); choose another output, or delete that row to play it again")
+
+
+def check_made_by(path, rows: list[dict], made_by: dict) -> None:
+    """Refuse to add rows to a result file whose rows another model or other settings made (each row's
+    "made_by"), naming what differs: a file mixing two models would be scored as one."""
+    for number, row in enumerate(rows, 1):
+        theirs = row.get("made_by")
+        if theirs is None:
+            raise InputError(f"{path}: row {number} does not say which model and settings made it; choose "
+                             "another output to start afresh")
+        differ = sorted(key for key in theirs.keys() | made_by.keys() if theirs.get(key) != made_by.get(key))
+        if differ:
+            was = ", ".join(f"{key}={theirs.get(key)!r}" for key in differ)
+            now = ", ".join(f"{key}={made_by.get(key)!r}" for key in differ)
+            raise InputError(f"{path}: its rows were made with {was}; this run has {now}. Resume with the "
+                             "same model and settings, or choose another output")
+
+
+# --------------------------------------------------------------------------------------------
+# Models by name: a folder, a hub id, the packaged offline model, a trained adapter merged for evaluation
+# --------------------------------------------------------------------------------------------
 
 def check_model_source(name_or_path: str, option: str | None = None) -> None:
     """Refuse, in a second and before anything loads, a model that is neither a folder here nor a hub id
