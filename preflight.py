@@ -276,6 +276,14 @@ def prepare_resume(training_args: GRPOConfig, transcripts: Path) -> None:
               "transcript rows it wrote, as those steps are played again", file=sys.stderr)
 
 
+def check_grpo_vllm_length(trainer, training_args: GRPOConfig, dialogue_args) -> None:
+    """With --use_vllm, TRL's vLLM (colocated or a server) is long enough for the dialogues (check_vllm_length)."""
+    if training_args.use_vllm:
+        import vllm_backends
+
+        check_vllm_length(vllm_backends.trainer_max_model_len(trainer), dialogue_args.max_dialogue_tokens)
+
+
 class StopOnCtrlC(TrainerCallback):
     """Ctrl-C (guards.StopRequest, set as `request` while training): once the step in progress is done, the
     Trainer saves a full checkpoint and stops; `stopped` says it did."""

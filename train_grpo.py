@@ -369,10 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     if not training_args.disable_tqdm:
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(StepLines(dialogue_args.think))
-    if training_args.use_vllm:
-        import vllm_backends
-
-        preflight.check_vllm_length(vllm_backends.trainer_max_model_len(trainer), dialogue_args.max_dialogue_tokens)
+    preflight.check_grpo_vllm_length(trainer, training_args, dialogue_args)
     train_and_save(trainer, training_args, runner)
     if trainer.accelerator.is_main_process:
         print(f"read the dialogues: {common.script_command('report.py')} {shlex.quote(training_args.output_dir)}")
