@@ -499,8 +499,9 @@ class MissingEncoder(RuntimeError):
 
 
 def token_states(bert, ids):
-    """A BertModel's (or any holder of its `embeddings` and `encoder`) token states for one unpadded sentence (ids of shape 1 x n): its forward pass written out
-    with its own modules, the same operations in the same order, so the same states bit for bit (tested)."""
+    """The token states of a BertModel (or of any module holding its `embeddings` and `encoder`) for one unpadded
+    sentence (ids of shape 1 x n): its forward pass written out with its own modules, the same operations in the
+    same order, so the same states bit for bit (tested)."""
     from torch.nn.functional import scaled_dot_product_attention
 
     n = ids.shape[1]

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from accelerate import Accelerator, InitProcessGroupKwargs  # noqa: E402
 
 import common  # noqa: E402
-import guards
+import guards  # noqa: E402
 import vllm_backends  # noqa: E402
 import preflight  # noqa: E402
 import rollout  # noqa: E402
@@ -60,6 +60,22 @@ def ppo_update():
     networks = accelerator.unwrap_model(model)
     # the gradient every rank applied (DDP's average), before the step: the step itself is AdamW's
     return {"stats": stats, "grads": [p.grad.flatten().tolist() for p in networks.parameters() if p.grad is not None]}
+
+
+@check
+def ppo_update_with_no_rows_on_one_rank():
+    """A step whose dialogues all failed on rank 1: no rows there (main's minibatch_rows gives it empty minibatches
+    of the count the ranks agree on), while rank 0 trains."""
+    model = tiny_policy_and_critic()
+    optimizer = train_ppo.make_optimizer(model, ppo_args())
+    model, optimizer = accelerator.prepare(model, optimizer)
+    rows = RANK_ROWS["ppo"][0] if rank == 0 else []
+    agreed = train_ppo.most_over_ranks(len(rows), accelerator.device)
+    batch = train_ppo.select_rows(ppo_batch(RANK_ROWS["ppo"][0]), list(range(len(rows))))
+    stats = train_ppo.ppo_update(accelerator, model, optimizer, batch, ppo_args())
+    networks = accelerator.unwrap_model(model)
+    return {"agreed": agreed, "stats": stats,
+            "grads": [p.grad.flatten().tolist() for p in networks.parameters() if p.grad is not None]}
 
 
 @check

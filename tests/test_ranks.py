@@ -101,6 +101,23 @@ def test_a_ppo_update_on_ranks_with_different_rows_is_one_update_on_all_rows(ran
         assert result["stats"] == pytest.approx(stats, abs=1e-5)
 
 
+def test_a_ppo_update_with_no_rows_on_one_rank_is_the_update_on_the_other_ranks_rows(ranks):
+    """All of rank 1's dialogues failed: it agrees on rank 0's count of minibatches, pads its empty minibatch, and
+    both ranks apply the gradient one process would over rank 0's 3 rows alone, with their stats."""
+    from accelerate import Accelerator
+
+    model = tiny_policy_and_critic()
+    optimizer = train_ppo.make_optimizer(model, ppo_args())
+    stats = train_ppo.ppo_update(Accelerator(cpu=True), model, optimizer, ppo_batch(RANK_ROWS["ppo"][0]), ppo_args())
+    expected = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+    for result in both(ranks, "ppo_update_with_no_rows_on_one_rank"):
+        assert result["agreed"] == 3
+        assert len(result["grads"]) == len(expected)
+        for got, want in zip(result["grads"], expected):
+            assert torch.allclose(torch.tensor(got), want, atol=1e-5, rtol=1e-4)
+        assert result["stats"] == pytest.approx(stats, abs=1e-5)
+
+
 def test_the_simulator_failure_share_is_decided_over_every_rank_alike(ranks):
     rank0, rank1 = both(ranks, "check_failures")
     assert rank0 == rank1
